@@ -1,0 +1,212 @@
+"""Parallel corpora as lists of raw sentence pairs: the synthetic grammar, Multi30k, or any plain files.
+
+Every reader checks what it reads and fails with one line naming the file (and line) when the data is bad:
+a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import DataError
+from ..fileio import atomic_path
+from .synthetic import LengthDistribution, generate_corpus
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class ParallelText:
+    src: list[str]
+    tgt: list[str]
+
+    def __post_init__(self):
+        assert len(self.src) == len(self.tgt)
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass
+class Corpus:
+    src_lang: str
+    tgt_lang: str
+    splits: dict[str, ParallelText]
+    # What identifies the text, for cache keys and the run summary (e.g. file paths and checksums).
+    description: dict = field(default_factory=dict)
+
+    @property
+    def train(self) -> ParallelText:
+        return self.splits["train"]
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Lines of a UTF-8 text file, plain or gzip-compressed, without line endings (``\\n`` or ``\\r\\n``)
+    and without a byte-order mark."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    if not raw.strip():
+        raise DataError(f"{path}: file is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: invalid UTF-8 (byte {raw[e.start]:#04x}); convert the file to UTF-8") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
+            "parallel files must have one sentence per line, line for line"
+        )
+    keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
+    if not keep:
+        raise DataError(f"{src_path}: every line pair has an empty side")
+    if len(keep) < len(src):
+        log.warning("%s: skipped %d line pairs with an empty side", src_path, len(src) - len(keep))
+        src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+    return ParallelText([s.strip() for s in src], [t.strip() for t in tgt])
+
+
+def find_text_file(prefix: str | Path, lang: str) -> Path:
+    """``{prefix}.{lang}``, or its gzip-compressed ``{prefix}.{lang}.gz``."""
+    plain = Path(f"{prefix}.{lang}")
+    for candidate in (plain, Path(f"{plain}.gz")):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"{plain}: file not found (nor {plain.name}.gz)")
+
+
+def load_files(prefixes: dict[str, str], src_lang: str, tgt_lang: str) -> Corpus:
+    """Any parallel corpus laid out fairseq-style: ``{prefix}.{lang}`` (or ``.gz``) per split."""
+    splits, description = {}, {}
+    for split in SPLITS:
+        prefix = prefixes.get(split)
+        if not prefix:
+            raise DataError(f"data.{split}_prefix is not set: give the path prefix of the {split} files")
+        src, tgt = find_text_file(prefix, src_lang), find_text_file(prefix, tgt_lang)
+        splits[split] = read_parallel(src, tgt)
+        description[split] = [str(src.resolve()), str(tgt.resolve())]
+    return Corpus(src_lang, tgt_lang, splits, {"name": "files", **description})
+
+
+# ----------------------------------------------------------------------------------------------- Multi30k
+
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/a3d2e0d26b56f3846f66a952536ffed4e401d05a/data/task1/raw"
+MULTI30K_SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
+MULTI30K_LANGS = ("de", "en", "fr", "cs")
+# SHA-256 of the official task-1 raw files (multi30k/dataset, data/task1/raw).
+MULTI30K_SHA256 = {
+    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.fr.gz": "622e75069e9f4c577425c4f277116ce66e63a2401c0a2312d90073cb12379a3c",
+    "train.cs.gz": "a65adb8b32e3bc664f21ecba7a6e7f6950fd1f405e135f7c312faabdb6255077",
+    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.fr.gz": "ca3106f1a72390591d25f6c45cb4cd39dec4cd3f123e099748a3ce5256c160e9",
+    "val.cs.gz": "b63226e05c4bd5dd6a42897d74b86a1b9d2c31498252c572b1ea7f7996927fcc",
+    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.fr.gz": "6d326e188d259fb1d04ac19eae3af956559b3a0b93d7635e56c90987c40c8b90",
+    "test_2016_flickr.cs.gz": "200a4a74cc9560f051924abb9803be008d1908d77f747e9141aeb86dfd2797f1",
+}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0) -> Path:
+    """Fetch ``url`` into ``dest`` (atomically) and check its SHA-256."""
+    with atomic_path(dest) as tmp:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise DataError(
+                f"cannot download {url} ({reason}); without network, point data.root at a folder holding the "
+                "Multi30k raw files (train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)"
+            ) from None
+        got = sha256(tmp)
+        if got != expected_sha256:
+            raise DataError(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")
+    return dest
+
+
+def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str) -> Path:
+    if root is not None:  # a local copy: use it as is (plain or gzip-compressed)
+        root = Path(root)
+        if not root.is_dir():
+            raise DataError(f"data.root={root}: no such directory; it should hold the Multi30k raw files")
+        for candidate in (root / filename, root / filename.removesuffix(".gz")):
+            if candidate.is_file():
+                return candidate
+        raise DataError(f"{root / filename}: file not found; data.root must hold the Multi30k task-1 raw files")
+    cached = cache_dir / "multi30k" / filename
+    if cached.is_file() and sha256(cached) == MULTI30K_SHA256[filename]:
+        return cached
+    log.info("downloading %s/%s", url, filename)
+    return download(f"{url}/{filename}", cached, MULTI30K_SHA256[filename])
+
+
+def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_dir: Path, url: str = MULTI30K_URL) -> Corpus:
+    """Multi30k task 1 (Elliott et al., 2016): train (29,000), val (1,014) and test_2016_flickr (1,000)."""
+    for key, lang in (("data.src_lang", src_lang), ("data.tgt_lang", tgt_lang)):
+        if lang not in MULTI30K_LANGS:
+            raise DataError(f"{key}={lang}: Multi30k task 1 has {', '.join(MULTI30K_LANGS)}")
+    splits, description = {}, {"name": "multi30k"}
+    for split, stem in MULTI30K_SPLITS.items():
+        src = multi30k_file(f"{stem}.{src_lang}.gz", root, cache_dir, url)
+        tgt = multi30k_file(f"{stem}.{tgt_lang}.gz", root, cache_dir, url)
+        splits[split] = read_parallel(src, tgt)
+        description[split] = [str(src.resolve()), str(tgt.resolve())]
+    return Corpus(src_lang, tgt_lang, splits, description)
+
+
+# ---------------------------------------------------------------------------------------------- synthetic
+
+
+def load_synthetic(
+    src_lang: str, tgt_lang: str, sizes: dict[str, int], seed: int, lengths: LengthDistribution
+) -> Corpus:
+    if {src_lang, tgt_lang} != {"en", "de"}:
+        raise DataError(f"data=synthetic translates between en and de; got {src_lang}->{tgt_lang}")
+    for split in SPLITS:
+        if sizes.get(split, 0) < 1:
+            raise DataError(f"data.{split}_size must be >= 1, got {sizes.get(split)}")
+    pairs = generate_corpus({s: sizes[s] for s in SPLITS}, seed, lengths)
+    splits = {}
+    for split, rows in pairs.items():
+        en, de = [r[0] for r in rows], [r[1] for r in rows]
+        splits[split] = ParallelText(en, de) if src_lang == "en" else ParallelText(de, en)
+    description = {"name": "synthetic", "seed": seed, "sizes": sizes, "lengths": asdict(lengths)}
+    return Corpus(src_lang, tgt_lang, splits, description)

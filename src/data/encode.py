@@ -1,0 +1,94 @@
+"""Encode a corpus with its tokenizers, once: the result is cached on disk, keyed by the text and the tokenizer
+settings, so the runs of a sweep (and reruns) load token ids instead of tokenizing again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..fileio import atomic_path
+from ..tokenizers import Codec, build_codecs, codec_from_state
+from .corpus import Corpus
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class EncodedSplit:
+    src: list[Tensor]  # int64 token ids per sentence, no special tokens
+    tgt: list[Tensor]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+@dataclass
+class EncodedCorpus:
+    src_codec: Codec
+    tgt_codec: Codec
+    splits: dict[str, EncodedSplit]
+    cache_file: Path | None = None
+    from_cache: bool = False
+
+
+def cache_key(corpus: Corpus, tokenizer: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"v": CACHE_VERSION, "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang]},
+                        sort_keys=True).encode())
+    for name in sorted(corpus.splits):
+        split = corpus.splits[name]
+        h.update(f"\0{name}\0{len(split)}".encode())
+        for side in (split.src, split.tgt):
+            h.update("\n".join(side).encode())
+            h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _pack(seqs: list[list[int]]) -> dict[str, Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    flat = torch.tensor([i for s in seqs for i in s], dtype=torch.int32)
+    return {"ids": flat, "lengths": lengths}
+
+
+def _unpack(packed: dict[str, Tensor]) -> list[Tensor]:
+    return list(torch.split(packed["ids"].long(), packed["lengths"].tolist()))
+
+
+def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> EncodedCorpus:
+    """Build the tokenizers from the training split and encode every split, or load both from the cache."""
+    cache_file = Path(cache_dir) / f"encoded-{cache_key(corpus, tokenizer)}.pt" if cache_dir else None
+    if cache_file is not None and cache_file.is_file():
+        try:
+            blob = torch.load(cache_file, weights_only=True)
+            src = codec_from_state(blob["codecs"]["src"])
+            tgt = src if blob["codecs"]["shared"] else codec_from_state(blob["codecs"]["tgt"])
+            splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in blob["splits"].items()}
+            log.info("loaded encoded corpus from %s", cache_file)
+            return EncodedCorpus(src, tgt, splits, cache_file, from_cache=True)
+        except Exception as e:  # a corrupt or outdated cache file is rebuilt, not fatal
+            log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
+
+    train = corpus.train
+    src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
+    raw = {name: (src_codec.encode(s.src), tgt_codec.encode(s.tgt)) for name, s in corpus.splits.items()}
+    if cache_file is not None:
+        blob = {
+            "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
+            "splits": {name: {"src": _pack(s), "tgt": _pack(t)} for name, (s, t) in raw.items()},
+        }
+        with atomic_path(cache_file) as tmp:
+            torch.save(blob, tmp)
+        log.info("cached encoded corpus in %s", cache_file)
+    splits = {
+        name: EncodedSplit([torch.tensor(x, dtype=torch.int64) for x in s], [torch.tensor(x, dtype=torch.int64) for x in t])
+        for name, (s, t) in raw.items()
+    }
+    return EncodedCorpus(src_codec, tgt_codec, splits, cache_file, from_cache=False)

@@ -1,0 +1,231 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Batch-first throughout. Attention goes through ``F.scaled_dot_product_attention`` so PyTorch picks the
+fastest kernel it has for the device. Masks are boolean and mean "may attend" (SDPA's convention).
+Incremental decoding keeps a key/value cache per layer, so greedy decoding costs one new position per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    src_vocab: int
+    tgt_vocab: int
+    pad_id: int
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    dropout: float = 0.1
+    # Tie the decoder's input embedding and the output projection (paper, section 3.4). When source and
+    # target share one vocabulary (tokenizer=xlmr), the encoder embedding is shared as well.
+    tie_embeddings: bool = True
+    share_vocab: bool = False
+    # The paper normalizes after each residual block (post-norm); pre-norm trains more stably without warmup.
+    norm_first: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def split_heads(self, x: Tensor) -> Tensor:  # (B, L, D) -> (B, H, L, Dh)
+        return x.unflatten(-1, (self.n_heads, self.d_head)).transpose(1, 2)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(out.transpose(1, 2).flatten(2))
+
+    def forward(self, query: Tensor, key_value: Tensor, mask: Tensor | None, causal: bool = False) -> Tensor:
+        q = self.split_heads(self.q_proj(query))
+        k = self.split_heads(self.k_proj(key_value))
+        v = self.split_heads(self.v_proj(key_value))
+        return self.attend(q, k, v, mask, causal)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.dropout(F.relu(self.w1(x))))
+
+
+class Residual(nn.Module):
+    """x + dropout(sublayer(x)), normalized after (paper) or before (pre-norm) the sublayer."""
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
+        self.ff = FeedForward(a.d_model, a.d_ff, a.dropout)
+        self.res_attn = Residual(a.d_model, a.dropout, a.norm_first)
+        self.res_ff = Residual(a.d_model, a.dropout, a.norm_first)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.res_attn(x, lambda h: self.self_attn(h, h, src_mask))
+        return self.res_ff(x, self.ff)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
+        self.cross_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
+        self.ff = FeedForward(a.d_model, a.d_ff, a.dropout)
+        self.res_self = Residual(a.d_model, a.dropout, a.norm_first)
+        self.res_cross = Residual(a.d_model, a.dropout, a.norm_first)
+        self.res_ff = Residual(a.d_model, a.dropout, a.norm_first)
+
+    def forward(self, y: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        # Right padding: the causal mask alone keeps real positions off the padded ones after them.
+        y = self.res_self(y, lambda h: self.self_attn(h, h, None, causal=True))
+        y = self.res_cross(y, lambda h: self.cross_attn(h, memory, src_mask))
+        return self.res_ff(y, self.ff)
+
+    def step(self, y: Tensor, memory: Tensor, src_mask: Tensor, cache: dict) -> Tensor:
+        """One new target position ``y`` (B, 1, D), reusing the cached keys and values."""
+
+        def self_attn(h: Tensor) -> Tensor:
+            attn = self.self_attn
+            k, v = attn.split_heads(attn.k_proj(h)), attn.split_heads(attn.v_proj(h))
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+            return attn.attend(attn.split_heads(attn.q_proj(h)), k, v, None)
+
+        def cross_attn(h: Tensor) -> Tensor:
+            attn = self.cross_attn
+            if "mem_k" not in cache:  # the encoder output does not change while decoding
+                cache["mem_k"] = attn.split_heads(attn.k_proj(memory))
+                cache["mem_v"] = attn.split_heads(attn.v_proj(memory))
+            return attn.attend(attn.split_heads(attn.q_proj(h)), cache["mem_k"], cache["mem_v"], src_mask)
+
+        y = self.res_self(y, self_attn)
+        y = self.res_cross(y, cross_attn)
+        return self.res_ff(y, self.ff)
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
+    position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    pe = torch.zeros(max_len, d_model)
+    pe[:, 0::2] = torch.sin(position * div)
+    pe[:, 1::2] = torch.cos(position * div)
+    return pe
+
+
+class Embedding(nn.Module):
+    """Token embedding scaled by sqrt(d_model), plus sinusoidal positions, then dropout."""
+
+    def __init__(self, vocab: int, d_model: int, pad_id: int, dropout: float, max_len: int = 4096):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model, padding_idx=pad_id)
+        nn.init.normal_(self.tokens.weight, mean=0.0, std=d_model**-0.5)
+        with torch.no_grad():
+            self.tokens.weight[pad_id].zero_()
+        self.scale = math.sqrt(d_model)
+        self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
+        length = ids.size(1)
+        if offset + length > self.positions.size(0):  # grow the table instead of failing on long inputs
+            self.positions = sinusoidal_positions(2 * (offset + length), self.positions.size(1)).to(
+                self.positions.device
+            )
+        return self.dropout(self.tokens(ids) * self.scale + self.positions[offset : offset + length])
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        a = args
+        self.src_embed = Embedding(a.src_vocab, a.d_model, a.pad_id, a.dropout)
+        self.tgt_embed = Embedding(a.tgt_vocab, a.d_model, a.pad_id, a.dropout)
+        if a.share_vocab:
+            if a.src_vocab != a.tgt_vocab:
+                raise ValueError("share_vocab needs one vocabulary for source and target")
+            self.src_embed.tokens = self.tgt_embed.tokens
+        self.encoder = nn.ModuleList(EncoderLayer(a) for _ in range(a.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(a) for _ in range(a.decoder_layers))
+        # Pre-norm stacks need a final normalization; post-norm layers already end with one.
+        self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+        self.generator = nn.Linear(a.d_model, a.tgt_vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and "embed" not in name:
+                nn.init.xavier_uniform_(p)
+        if a.tie_embeddings:
+            self.generator.weight = self.tgt_embed.tokens.weight
+
+    def src_mask(self, src: Tensor) -> Tensor:
+        """(B, 1, 1, S): True where the key is a real source token."""
+        return (src != self.args.pad_id)[:, None, None, :]
+
+    def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.src_embed(src)
+        for layer in self.encoder:
+            x = layer(x, src_mask)
+        return self.enc_norm(x)
+
+    def decode(self, memory: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
+        """Hidden states of the target positions, (B, T, D); ``generator`` turns them into logits."""
+        y = self.tgt_embed(tgt_in)
+        for layer in self.decoder:
+            y = layer(y, memory, src_mask)
+        return self.dec_norm(y)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        src_mask = self.src_mask(src)
+        return self.generator(self.decode(self.encode(src, src_mask), src_mask, tgt_in))
+
+    def decode_step(self, memory: Tensor, src_mask: Tensor, tokens: Tensor, caches: list[dict]) -> Tensor:
+        """Logits for the next position given the newest tokens (B, 1) and the per-layer caches."""
+        position = caches[0]["k"].size(2) if caches and "k" in caches[0] else 0
+        y = self.tgt_embed(tokens, offset=position)
+        for layer, cache in zip(self.decoder, caches):
+            y = layer.step(y, memory, src_mask, cache)
+        return self.generator(self.dec_norm(y))[:, -1]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # shared tensors are counted once

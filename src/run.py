@@ -1,0 +1,373 @@
+"""``train(cfg)``: a whole run from a composed config. The only place, with ``train.py``, that reads a
+``DictConfig``; everything it calls takes plain arguments.
+
+Flow: corpus -> tokenizers and encoded splits (cached) -> truncation -> model, optimizer, schedule ->
+training loop with periodic validation (loss, greedy BLEU), best and last checkpoints -> test BLEU of the best
+checkpoint -> ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .data.batching import batch_indices, collate, lengths, split_batch, truncate
+from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
+from .data.encode import EncodedCorpus, encode_corpus
+from .data.synthetic import LengthDistribution
+from .errors import ConfigError, UserError
+from .evaluate import score, translate_ids, validation_loss
+from .fileio import write_json
+from .loggers import RunLogger
+from .memory import MemoryStrategy, PeakMemory, peak_rss_mb
+from .model import ModelArgs, Transformer
+from .tokenizers import save_codecs
+from .trainer import Trainer, inverse_sqrt_schedule, paper_peak_lr
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name}: no CUDA device is visible; use trainer.device=cpu (or auto)")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"trainer.device={name}: expected auto, cpu or cuda")
+    return torch.device(name)
+
+
+def load_corpus(data: dict, cache_dir: Path) -> Corpus:
+    name = data.get("name")
+    src, tgt = data["src_lang"], data["tgt_lang"]
+    if name == "synthetic":
+        lengths = LengthDistribution(
+            **{k: data[k] for k in ("continue_prob", "max_clauses", "long_fraction", "long_clauses") if k in data}
+        )
+        sizes = {"train": data["train_size"], "valid": data["valid_size"], "test": data["test_size"]}
+        return load_synthetic(src, tgt, sizes, data["seed"], lengths)
+    if name == "multi30k":
+        return load_multi30k(src, tgt, data.get("root"), cache_dir, data.get("url") or MULTI30K_URL)
+    if name == "files":
+        prefixes = {split: data.get(f"{split}_prefix") for split in ("train", "valid", "test")}
+        return load_files(prefixes, src, tgt)
+    raise ConfigError(f"data.name={name!r}: expected synthetic, multi30k or files")
+
+
+def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
+    src, tgt = encoded.src_codec, encoded.tgt_codec
+    if src.pad_id != tgt.pad_id:
+        raise ConfigError("source and target tokenizers must share the padding id")
+    fields = {k: v for k, v in model.items() if k != "name"}
+    try:
+        args = ModelArgs(src_vocab=len(src), tgt_vocab=len(tgt), pad_id=tgt.pad_id, share_vocab=src is tgt, **fields)
+    except TypeError as e:
+        raise ConfigError(f"model: {e}") from None
+    return Transformer(args)
+
+
+def build_optimizer(model: Transformer, optim: dict, device: torch.device):
+    warmup = optim["warmup_steps"]
+    peak = optim.get("lr") or paper_peak_lr(model.args.d_model, warmup, optim.get("lr_factor", 1.0))
+    optimizer = torch.optim.Adam(
+        model.parameters(),
+        lr=peak,
+        betas=tuple(optim["betas"]),
+        eps=optim["eps"],
+        weight_decay=optim.get("weight_decay", 0.0),
+        fused=device.type == "cuda" or None,  # one kernel for all parameters where the device has it
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(warmup))
+    return optimizer, scheduler, peak
+
+
+def memory_strategy(memory: dict) -> MemoryStrategy:
+    try:
+        return MemoryStrategy(**memory)
+    except TypeError as e:
+        raise ConfigError(f"memory: {e} (known keys: amp, accum_steps, max_src_len, max_tgt_len)") from None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------- run
+
+
+def train(cfg: DictConfig) -> dict:
+    """Train and evaluate one run; writes ``config.yaml``, ``metrics.jsonl``, checkpoints and ``summary.json``
+    into ``cfg.paths.output_dir`` and returns the summary. Errors are recorded in the summary, then raised."""
+    started = time.perf_counter()
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"status": "failed"}
+    logger: RunLogger | None = None
+    try:
+        try:
+            conf = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
+        strategy = memory_strategy(conf["memory"])
+        summary["strategy"] = strategy.label
+        logger = RunLogger(run_dir, conf["logger"].get("wandb"), conf, name=strategy.label)
+        summary.update(_run(conf, strategy, run_dir, logger))
+        summary["status"] = "completed"
+    except torch.OutOfMemoryError as e:
+        summary.update(status="oom", error=str(e).splitlines()[0])
+        raise
+    except KeyboardInterrupt:
+        summary.update(status="interrupted")
+        raise
+    except Exception as e:
+        summary.update(status="failed", error=str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        summary["wall_s"] = round(time.perf_counter() - started, 2)
+        summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        write_json(run_dir / "summary.json", summary)
+        if logger is not None:
+            logger.finish(summary)
+    return summary
+
+
+def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger) -> dict:
+    tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
+    device = resolve_device(tr["device"])
+    strategy.check_device(device)
+    seed_everything(conf["seed"])
+    cache_dir = Path(conf["paths"]["cache_dir"])
+
+    corpus = load_corpus(data, cache_dir)
+    encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
+    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
+    save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
+    train_split = encoded.splits["train"]
+    info: dict = {
+        "device": str(device),
+        "sentences": {k: len(v) for k, v in encoded.splits.items()},
+        "vocab": {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec},
+    }
+    if strategy.truncates:
+        train_split, cut = truncate(train_split, strategy.max_src_len, strategy.max_tgt_len)
+        info["truncation"] = cut.as_dict()
+        log.info(
+            "truncate: %d of %d training pairs cut (%.2f%% of tokens)",
+            cut.sentences, cut.total_sentences, 100 * info["truncation"]["tokens_cut_share"],
+        )
+
+    seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
+    model = build_model(conf["model"], encoded).to(device)
+    optimizer, scheduler, peak_lr = build_optimizer(model, optim, device)
+    trainer = Trainer(
+        model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"], optim["clip_grad_norm"]
+    )
+    batch_size = data["batch_size"]
+    info.update(
+        parameters=model.num_parameters(),
+        batch_size=batch_size,
+        accum_steps=strategy.accum_steps,
+        micro_batch_size=-(-batch_size // strategy.accum_steps),
+        amp=strategy.amp,
+        peak_lr=peak_lr,
+    )
+    log.info(
+        "%s: %s parameters, vocab %d/%d, %d training pairs, batch %d in %d micro-batches, device %s",
+        strategy.label, f"{info['parameters']:,}", len(src_codec), len(tgt_codec), len(train_split), batch_size,
+        strategy.accum_steps, device,
+    )
+
+    peak = PeakMemory(device, track_cpu=tr.get("track_memory", True))
+    peak.track_state(list(model.parameters()))
+
+    def autocast():
+        return strategy.autocast(device)
+
+    def evaluate(split: str) -> tuple[dict, list[str]]:
+        s = encoded.splits[split]
+        hyp_ids = translate_ids(
+            model, s.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"], autocast
+        )
+        hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
+        return score(hyps, corpus.splits[split].tgt), hyps
+
+    max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
+    if not max_steps and not max_epochs:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
+    sizes = lengths(train_split)
+    batches_per_epoch = len(batch_indices(sizes, batch_size, shuffle=False))
+    best_path, last_path = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
+    ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_steps, disable=not tr.get("progress", True), desc=strategy.label, dynamic_ncols=True)
+    step = epoch = 0
+    best_bleu, best_step, last_eval_step = -1.0, 0, -1
+    totals = {"src_tokens": 0, "tgt_tokens": 0, "train_s": 0.0}
+    window = _Window(device)
+    valid_scores: dict = {}
+
+    def run_eval() -> None:
+        nonlocal best_bleu, best_step, last_eval_step, valid_scores
+        last_eval_step = step
+        t0 = time.perf_counter()
+        losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"], optim["label_smoothing"], autocast)
+        scores, hyps = evaluate("valid")
+        metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+        metrics["eval_s"] = round(time.perf_counter() - t0, 2)
+        logger.log(metrics, step)
+        for i in range(min(tr.get("num_samples", 0), len(hyps))):
+            log.info("  src: %s\n  ref: %s\n  hyp: %s", corpus.splits["valid"].src[i], corpus.splits["valid"].tgt[i], hyps[i])
+        log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
+        state = dict(
+            model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+            scaler=trainer.scaler.state_dict(), step=step, epoch=epoch, valid_bleu=scores["bleu"], **ckpt_meta,
+        )
+        if scores["bleu"] > best_bleu:
+            best_bleu, best_step, valid_scores = scores["bleu"], step, scores
+            save_checkpoint(best_path, **state)
+        save_checkpoint(last_path, **state)
+
+    done = False
+    while not done:
+        for indices in batch_indices(sizes, batch_size, shuffle=True, seed=conf["seed"], epoch=epoch):
+            micro = [
+                collate([train_split.src[i] for i in part], [train_split.tgt[i] for i in part],
+                        tgt_codec.pad_id, tgt_codec.bos_id, tgt_codec.eos_id)
+                for part in split_batch(indices, sizes, strategy.accum_steps)
+            ]
+            window.resume()
+            with peak.measure():
+                stats = trainer.step(micro)
+            window.add(stats)
+            step += 1
+            bar.update(1)
+            if step % tr["log_every"] == 0:
+                metrics = window.flush(trainer.lr, peak.window_peak_mb())
+                totals["train_s"] += metrics.pop("_seconds")
+                totals["src_tokens"] += metrics.pop("_src_tokens")
+                totals["tgt_tokens"] += metrics.pop("_tgt_tokens")
+                metrics["epoch"] = epoch
+                logger.log(metrics, step)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
+            if tr.get("eval_every") and step % tr["eval_every"] == 0:
+                window.pause()
+                run_eval()
+            if max_steps and step >= max_steps:
+                done = True
+                break
+        epoch += 1
+        if max_epochs and epoch >= max_epochs:
+            done = True
+    bar.close()
+    leftover = window.flush(trainer.lr, peak.window_peak_mb())
+    if leftover:
+        totals["train_s"] += leftover.pop("_seconds")
+        totals["src_tokens"] += leftover.pop("_src_tokens")
+        totals["tgt_tokens"] += leftover.pop("_tgt_tokens")
+        logger.log(leftover | {"epoch": epoch}, step)
+    if last_eval_step != step:
+        run_eval()
+
+    # The test set is translated once, by the checkpoint with the best validation BLEU.
+    model.load_state_dict(load_checkpoint(best_path, device)["model"])
+    test_scores, test_hyps = evaluate("test")
+    (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
+    log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], best_step, test_scores["bleu_signature"])
+
+    train_s = max(totals["train_s"], 1e-9)
+    return {
+        **info,
+        "steps": step,
+        "epochs": round(step / batches_per_epoch, 3),
+        "src_tokens": totals["src_tokens"],
+        "tgt_tokens": totals["tgt_tokens"],
+        "train_s": round(totals["train_s"], 2),
+        "tokens_per_s": round((totals["src_tokens"] + totals["tgt_tokens"]) / train_s, 1),
+        "peak_memory_mb": _round(peak.run_peak_mb()),
+        "peak_reserved_mb": _round(peak.cuda_reserved_mb()),
+        "best_step": best_step,
+        "valid_bleu": valid_scores.get("bleu"),
+        "valid_chrf": valid_scores.get("chrf"),
+        "test_bleu": test_scores["bleu"],
+        "test_chrf": test_scores["chrf"],
+        "sacrebleu_signature": test_scores["bleu_signature"],
+        "chrf_signature": test_scores["chrf_signature"],
+    }
+
+
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+class _Window:
+    """Training figures between two log lines, read from the device once per window rather than per step.
+
+    The clock runs only while training steps run: it is paused (after the GPU catches up) for evaluation."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps = self.tgt_tokens = self.src_tokens = self.skipped = 0
+        self.loss = self.nll = self.grad_norm = 0.0
+        self.seconds = 0.0
+        self._t0: float | None = None
+
+    def resume(self) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._t0 is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # until here the clock saw kernel launches, not their work
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def add(self, stats) -> None:
+        self.steps += 1
+        self.loss = self.loss + stats.loss_sum  # device tensors: no host sync per step
+        self.nll = self.nll + stats.nll_sum
+        self.grad_norm = self.grad_norm + stats.grad_norm
+        self.tgt_tokens += stats.n_tgt_tokens
+        self.src_tokens += stats.n_src_tokens
+        self.skipped += stats.skipped
+
+    def flush(self, lr: float, peak_mb: float | None) -> dict:
+        """The window's figures (empty if no step ran); ``_``-prefixed keys are raw totals for the run."""
+        self.pause()
+        if not self.steps:
+            return {}
+        loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
+        metrics = {
+            "loss": loss / self.tgt_tokens,
+            "nll": nll / self.tgt_tokens,
+            "grad_norm": gn / self.steps,
+            "lr": lr,
+            "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
+            "tgt_tokens": self.tgt_tokens,
+        }
+        if peak_mb is not None:
+            metrics["peak_memory_mb"] = round(peak_mb, 1)
+        if self.skipped:
+            metrics["fp16_skipped_steps"] = self.skipped
+        metrics.update(_seconds=self.seconds, _src_tokens=self.src_tokens, _tgt_tokens=self.tgt_tokens)
+        self.reset()
+        return metrics

@@ -1,0 +1,275 @@
+"""Tokenizers ("codecs"): text <-> token ids, one per language or one shared by both.
+
+- ``spacy``: spaCy's rule-based tokenizer for the language (``spacy.blank(lang)``, or a named pipeline where one
+  is installed), a word vocabulary built from the training split, and a detokenizer learned from the same text
+  (which tokens attach to their neighbours without a space), so hypotheses are scored as plain text.
+- ``xlmr``: the Hugging Face XLM-RoBERTa sentencepiece tokenizer (250,002 pieces for ``xlm-roberta-base``),
+  by hub name or local path, shared by source and target.
+
+Special ids follow fairseq and XLM-R: ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk>`` 3.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from .errors import ConfigError
+from .fileio import write_json
+
+SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+BOS, PAD, EOS, UNK = range(4)
+
+
+class Codec:
+    """What the rest of the project needs from a tokenizer."""
+
+    bos_id: int
+    pad_id: int
+    eos_id: int
+    unk_id: int
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens."""
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Plain text of a hypothesis; stops at ``</s>`` and drops the other special tokens."""
+        raise NotImplementedError
+
+    def save(self, directory: Path) -> None:
+        """Write the files ``state()`` refers to, if any (``save_codecs`` writes the state itself)."""
+
+    def state(self) -> dict:
+        """A JSON-able description from which ``codec_from_state`` rebuilds the codec."""
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------ spaCy
+
+
+def spacy_tokenizer(lang: str, model: str | None = None):
+    import spacy  # imported here: runs with tokenizer=xlmr do not need spaCy
+
+    if model:
+        try:
+            return spacy.load(model).tokenizer
+        except OSError:
+            raise ConfigError(
+                f"tokenizer.models.{lang}={model}: spaCy pipeline not installed; install it "
+                f"(python -m spacy download {model}) or remove the key to use spacy.blank('{lang}')"
+            ) from None
+    try:
+        return spacy.blank(lang).tokenizer
+    except ImportError:
+        raise ConfigError(f"spaCy has no language '{lang}'; check data.src_lang / data.tgt_lang") from None
+
+
+def _mostly_glued(gaps: Iterable[tuple[str, bool]]) -> set[str]:
+    """Tokens seen in at least 3 of the ``(token, glued)`` gaps and glued in most of them."""
+    counts: dict[str, list[int]] = {}
+    for token, glued in gaps:
+        c = counts.setdefault(token, [0, 0])
+        c[0] += glued
+        c[1] += 1
+    return {token for token, (glued, n) in counts.items() if n >= 3 and glued * 2 > n}
+
+
+class SpacyCodec(Codec):
+    bos_id, pad_id, eos_id, unk_id = BOS, PAD, EOS, UNK
+
+    def __init__(
+        self,
+        lang: str,
+        itos: list[str],
+        glue_left: Iterable[str] = (),
+        glue_right: Iterable[str] = (),
+        model: str | None = None,
+        lowercase: bool = False,
+    ):
+        if tuple(itos[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"vocabulary must start with {SPECIALS}")
+        self.lang, self.itos, self.model, self.lowercase = lang, list(itos), model, lowercase
+        self.stoi = {tok: i for i, tok in enumerate(self.itos)}
+        self.glue_left, self.glue_right = set(glue_left), set(glue_right)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = spacy_tokenizer(self.lang, self.model)
+        return self._tokenizer
+
+    def tokenize_docs(self, texts: Sequence[str]):
+        texts = [t.lower() for t in texts] if self.lowercase else texts
+        return self.tokenizer.pipe(texts, batch_size=1000)
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[str]]:
+        return [[t.text for t in doc] for doc in self.tokenize_docs(texts)]
+
+    @classmethod
+    def build(
+        cls,
+        texts: Sequence[str],
+        lang: str,
+        min_freq: int = 1,
+        max_size: int | None = None,
+        model: str | None = None,
+        lowercase: bool = False,
+    ) -> SpacyCodec:
+        """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more,
+        most frequent first (ties alphabetical), at most ``max_size`` including the specials."""
+        codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
+        # (text, followed by a space) per token
+        docs = [[(t.text, bool(t.whitespace_)) for t in doc] for doc in codec.tokenize_docs(texts)]
+        counts = Counter(text for doc in docs for text, _ in doc)
+        words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
+        if max_size is not None:
+            words = words[: max(0, max_size - len(SPECIALS))]
+        # Detokenization: a token "glues left" when it mostly follows its neighbour without a space ("," "."),
+        # and "glues right" when it mostly precedes one without a space ("(" "„"), gaps next to a left-gluer
+        # not counted (else every word that ends sentences would glue to the next word). Rare tokens keep
+        # their spaces.
+        glue_left = _mostly_glued(
+            (text, not space) for doc in docs for (_, space), (text, _) in zip(doc, doc[1:])
+        )
+        glue_right = _mostly_glued(
+            (text, not space) for doc in docs for (text, space), (nxt, _) in zip(doc, doc[1:]) if nxt not in glue_left
+        )
+        return cls(lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase)
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        unk, stoi = self.unk_id, self.stoi
+        return [[stoi.get(tok, unk) for tok in doc] for doc in self.tokenize(texts)]
+
+    def detokenize(self, tokens: Sequence[str]) -> str:
+        out: list[str] = []
+        for i, tok in enumerate(tokens):
+            if i > 0 and tok not in self.glue_left and tokens[i - 1] not in self.glue_right:
+                out.append(" ")
+            out.append(tok)
+        return "".join(out)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        tokens = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i not in (self.bos_id, self.pad_id):
+                tokens.append(self.itos[i])
+        return self.detokenize(tokens)
+
+    def state(self) -> dict:
+        return {
+            "type": "spacy",
+            "lang": self.lang,
+            "model": self.model,
+            "lowercase": self.lowercase,
+            "itos": self.itos,
+            "glue_left": sorted(self.glue_left),
+            "glue_right": sorted(self.glue_right),
+        }
+
+
+# --------------------------------------------------------------------------------------- Hugging Face / XLM-R
+
+
+class HFCodec(Codec):
+    """A Hugging Face tokenizer (XLM-R's sentencepiece model), loaded by hub name or local directory."""
+
+    def __init__(self, name_or_path: str):
+        from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
+
+        try:
+            self.tok = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"tokenizer.name_or_path={name_or_path}: cannot load a tokenizer ({first}); without network, "
+                "point it at a local directory written by save_pretrained"
+            ) from None
+        self.name_or_path = name_or_path
+        t = self.tok
+        self.bos_id, self.pad_id, self.eos_id, self.unk_id = (
+            t.bos_token_id, t.pad_token_id, t.eos_token_id, t.unk_token_id
+        )
+        if None in (self.bos_id, self.pad_id, self.eos_id, self.unk_id):
+            raise ConfigError(f"tokenizer.name_or_path={name_or_path}: needs <s>, <pad>, </s> and <unk> tokens")
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        kept = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            kept.append(i)
+        return self.tok.decode(kept, skip_special_tokens=True).strip()
+
+    def state(self) -> dict:
+        return {"type": "hf", "name_or_path": self.name_or_path, "vocab_size": len(self)}
+
+    def save(self, directory: Path) -> None:
+        self.tok.save_pretrained(directory / "hf")
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):
+    """(source codec, target codec) for the ``tokenizer`` config; one shared object for XLM-R."""
+    name = spec.get("name")
+    if name == "spacy":
+        models = spec.get("models") or {}
+
+        def build(texts, lang):
+            return SpacyCodec.build(
+                texts, lang, spec.get("min_freq", 1), spec.get("max_vocab"), models.get(lang), spec.get("lowercase", False)
+            )
+
+        return build(train_src, src_lang), build(train_tgt, tgt_lang)
+    if name == "xlmr":
+        codec = HFCodec(spec["name_or_path"])
+        return codec, codec
+    raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
+
+
+def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
+    if state["type"] == "spacy":
+        return SpacyCodec(
+            state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"]
+        )
+    if state["type"] == "hf":
+        local = directory / "hf" if directory is not None else None
+        return HFCodec(str(local) if local is not None and local.is_dir() else state["name_or_path"])
+    raise ValueError(f"unknown codec type {state['type']!r}")
+
+
+def save_codecs(directory: Path, src: Codec, tgt: Codec) -> None:
+    """The tokenizer of a run, so a checkpoint can translate without the training data."""
+    directory.mkdir(parents=True, exist_ok=True)
+    src.save(directory)
+    if tgt is not src:
+        tgt.save(directory)
+    write_json(directory / "codecs.json", {"src": src.state(), "tgt": tgt.state(), "shared": tgt is src})
+
+
+def load_codecs(directory: Path) -> tuple[Codec, Codec]:
+    meta = json.loads((directory / "codecs.json").read_text(encoding="utf-8"))
+    src = codec_from_state(meta["src"], directory)
+    tgt = src if meta["shared"] else codec_from_state(meta["tgt"], directory)
+    return src, tgt

@@ -1,0 +1,114 @@
+"""The training step and the loop around it.
+
+One optimizer step = one batch of sentence pairs, cut into ``accum_steps`` micro-batches. The loss is the sum of
+label-smoothed cross entropy over the non-pad target tokens of the whole window, divided by that token count
+(fairseq's normalization), so accumulated gradients equal those of the whole batch at once, however the
+micro-batches differ in length. Dividing each micro-batch's mean by ``accum_steps`` would not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .data.batching import Batch
+from .memory import MemoryStrategy
+
+
+def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
+    """Sums over non-pad positions of the label-smoothed loss and of the plain negative log-likelihood.
+
+    The smoothed loss is ``(1 - eps) * nll + eps * mean over the vocabulary of -log p`` (PyTorch's
+    ``label_smoothing``, Szegedy et al. 2016). Computed in fp32 whatever the autocast dtype."""
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    mask = target != pad_id
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    smooth = -lprobs.mean(dim=-1)
+    loss = (1.0 - epsilon) * nll + epsilon * smooth
+    return loss[mask].sum(), nll[mask].sum()
+
+
+def inverse_sqrt_schedule(warmup_steps: int):
+    """Multiplier of the peak learning rate after ``i`` optimizer steps: linear warmup to 1 at
+    ``warmup_steps``, then ``sqrt(warmup_steps / step)`` (the paper's schedule, section 5.3)."""
+    warmup = max(1, warmup_steps)
+
+    def factor(i: int) -> float:
+        step = i + 1
+        return min(step / warmup, math.sqrt(warmup / step))
+
+    return factor
+
+
+def paper_peak_lr(d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
+    """The peak of ``d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)``, reached at ``step = warmup``."""
+    return factor * d_model**-0.5 * max(1, warmup_steps) ** -0.5
+
+
+@dataclass
+class StepStats:
+    loss_sum: Tensor  # label-smoothed, summed over target tokens (detached, on the device)
+    nll_sum: Tensor
+    n_tgt_tokens: int
+    n_src_tokens: int
+    grad_norm: Tensor
+    skipped: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the update
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        strategy: MemoryStrategy,
+        device: torch.device,
+        pad_id: int,
+        label_smoothing: float = 0.1,
+        clip_grad_norm: float | None = 1.0,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.strategy, self.device, self.pad_id = strategy, device, pad_id
+        self.label_smoothing, self.clip_grad_norm = label_smoothing, clip_grad_norm
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=strategy.amp == "fp16")
+
+    def step(self, micro_batches: list[Batch]) -> StepStats:
+        """One optimizer step over the micro-batches of one batch."""
+        model, opt, scaler = self.model, self.optimizer, self.scaler
+        model.train()
+        n_tokens = sum(b.n_tgt_tokens for b in micro_batches)
+        loss_total = torch.zeros((), device=self.device)
+        nll_total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            batch = batch.to(self.device)
+            with self.strategy.autocast(self.device):
+                logits = model(batch.src, batch.tgt_in)
+            loss_sum, nll_sum = label_smoothed_loss(logits, batch.tgt_out, self.pad_id, self.label_smoothing)
+            del logits  # let the largest activation go before backward allocates its gradient
+            scaler.scale(loss_sum / n_tokens).backward()
+            loss_total += loss_sum.detach()
+            nll_total += nll_sum.detach()
+        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+        if self.clip_grad_norm:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+        else:
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+            )
+        scale_before = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
+        opt.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        n_src = sum(b.n_src_tokens for b in micro_batches)
+        return StepStats(loss_total, nll_total, n_tokens, n_src, grad_norm.detach(), skipped)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]

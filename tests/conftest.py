@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Settings that make a run take seconds: a few hundred synthetic pairs, a handful of steps, no progress bar.
+FAST = [
+    "model=tiny",
+    "data.train_size=300",
+    "data.valid_size=20",
+    "data.test_size=20",
+    "data.batch_size=16",
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.log_every=2",
+    "trainer.progress=false",
+    "trainer.num_samples=0",
+    "trainer.device=cpu",
+]
+
+
+def compose_config(*overrides: str, run_dir: Path | None = None, cache_dir: Path | None = None):
+    """The config ``train.py`` would run with these overrides (Hydra's compose API; no Hydra run dir)."""
+    extra = []
+    if run_dir is not None:
+        extra.append(f"paths.output_dir={run_dir}")
+    if cache_dir is not None:
+        extra.append(f"paths.cache_dir={cache_dir}")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, *extra])
+
+
+@pytest.fixture
+def fast_cfg(tmp_path):
+    def make(*overrides: str):
+        return compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def xlmr_dir(tmp_path_factory) -> Path:
+    """A small tokenizer of XLM-R's class (sentencepiece unigram, XLM-R's special pieces and order), trained
+    here on synthetic text and saved with save_pretrained: what `tokenizer=xlmr` loads from the hub."""
+    import sentencepiece as spm
+    from transformers import XLMRobertaTokenizer
+
+    from src.data.synthetic import LengthDistribution, generate_corpus
+
+    pairs = generate_corpus({"train": 3000}, seed=7, lengths=LengthDistribution())["train"]
+    text = [s for pair in pairs for s in pair]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text), model_writer=model, vocab_size=600, model_type="unigram",
+        character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [p for p in pieces if p[0] not in ("<unk>", "<s>", "</s>")] + [("<mask>", 0.0)]
+    out = tmp_path_factory.mktemp("xlmr")
+    XLMRobertaTokenizer(vocab=vocab).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    """Tests never reach the network: W&B offline, Hugging Face hub off."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("MT_CACHE_DIR", raising=False)
+
+
+def multi30k_root() -> Path | None:
+    root = os.environ.get("MULTI30K_ROOT")
+    return Path(root) if root else None

@@ -1,0 +1,91 @@
+"""Every option of every config group composes, alone and together, and the strategy label is derived."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from src.errors import ConfigError
+from src.memory import strategy_label
+from src.run import memory_strategy
+
+from .conftest import CONF, compose_config
+
+GROUPS = ["model", "tokenizer", "data", "memory", "optim", "trainer", "logger", "paths"]
+# data=files has mandatory paths (???); give them so the whole config resolves
+FILES_KEYS = ["data.src_lang=de", "data.tgt_lang=en", "data.train_prefix=a", "data.valid_prefix=b", "data.test_prefix=c"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_groups_have_the_options_the_project_promises():
+    assert set(options("model")) >= {"tiny", "small", "base", "big"}
+    assert set(options("tokenizer")) == {"spacy", "xlmr"}
+    assert set(options("data")) == {"synthetic", "multi30k", "files"}
+    assert set(options("memory")) >= {"none", "accum", "amp", "truncate"}
+    assert set(options("logger")) == {"none", "wandb"}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_resolves(group, option, tmp_path):
+    extra = FILES_KEYS if (group, option) == ("data", "files") else []
+    cfg = compose_config(f"{group}={option}", *extra, run_dir=tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert resolved["paths"]["output_dir"] == str(tmp_path)
+    for key in ("model", "tokenizer", "data", "memory", "optim", "trainer", "logger", "seed"):
+        assert key in resolved
+    if group in ("model", "tokenizer", "data", "optim"):
+        assert resolved[group]["name"] == option
+
+
+def test_base_model_is_the_papers():
+    m = compose_config("model=base", run_dir=Path("/tmp/x")).model
+    assert (m.encoder_layers, m.decoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 6, 512, 8, 2048, 0.1)
+    s = compose_config("model=small", run_dir=Path("/tmp/x")).model
+    assert (s.encoder_layers, s.decoder_layers, s.d_model) == (4, 4, 256)
+
+
+def test_optim_is_adam_with_the_papers_settings():
+    o = compose_config(run_dir=Path("/tmp/x")).optim
+    assert list(o.betas) == [0.9, 0.98] and o.eps == 1e-9 and o.label_smoothing == 0.1 and o.clip_grad_norm
+    assert compose_config("optim=noam", run_dir=Path("/tmp/x")).optim.warmup_steps == 4000
+
+
+@pytest.mark.parametrize(
+    "override,label",
+    [
+        ("memory=none", "none"),
+        ("memory=amp", "amp"),
+        ("memory=accum", "accum"),
+        ("memory=truncate", "truncate"),
+        ("memory=[amp,accum]", "amp+accum"),
+        ("memory=[accum,amp]", "amp+accum"),
+        ("memory=[amp,accum,truncate]", "amp+accum+truncate"),
+    ],
+)
+def test_strategies_compose_and_label_is_derived(override, label):
+    cfg = compose_config(override, run_dir=Path("/tmp/x"))
+    assert strategy_label(OmegaConf.to_container(cfg.memory)) == label
+
+
+def test_label_follows_values_not_file_names():
+    cfg = compose_config("memory=accum", "memory.accum_steps=1", run_dir=Path("/tmp/x"))
+    assert strategy_label(OmegaConf.to_container(cfg.memory)) == "none"
+    cfg = compose_config("memory.amp=fp16", run_dir=Path("/tmp/x"))
+    assert strategy_label(OmegaConf.to_container(cfg.memory)) == "amp"
+
+
+@pytest.mark.parametrize(
+    "memory,message",
+    [
+        ({"amp": "fp8"}, "memory.amp=fp8"),
+        ({"accum_steps": 0}, "memory.accum_steps=0"),
+        ({"max_src_len": 0}, "memory.max_src_len=0"),
+        ({"accum": 4}, "unexpected keyword argument 'accum'"),
+    ],
+)
+def test_bad_memory_settings_name_the_key(memory, message):
+    with pytest.raises(ConfigError, match=message):
+        memory_strategy(memory)

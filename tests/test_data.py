@@ -1,0 +1,189 @@
+"""Corpus readers, their errors, Multi30k (generated files, real files, download), the encoding cache."""
+
+import gzip
+import hashlib
+import http.server
+import threading
+import time
+from functools import partial
+
+import pytest
+import torch
+
+from src.data import corpus as corpus_mod
+from src.data.corpus import (
+    MULTI30K_SHA256,
+    download,
+    load_files,
+    load_multi30k,
+    load_synthetic,
+    read_lines,
+    read_parallel,
+)
+from src.data.encode import encode_corpus
+from src.data.synthetic import LengthDistribution
+from src.errors import DataError
+
+from .conftest import multi30k_root
+
+
+def write(path, lines, gz=False, raw: bytes | None = None):
+    data = raw if raw is not None else ("\n".join(lines) + "\n").encode("utf-8")
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def test_read_lines_plain_gz_crlf_and_bom(tmp_path):
+    write(tmp_path / "a.txt", ["eins", "zwei"])
+    write(tmp_path / "b.txt.gz", ["eins", "zwei"], gz=True)
+    write(tmp_path / "c.txt", [], raw="\ufeffeins\r\nzwei\r\n".encode())
+    for name in ("a.txt", "b.txt.gz", "c.txt"):
+        assert read_lines(tmp_path / name) == ["eins", "zwei"]
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.de: file not found"):
+        read_lines(tmp_path / "nope.de")
+
+
+def test_empty_file_is_named(tmp_path):
+    write(tmp_path / "empty.de", [], raw=b"")
+    with pytest.raises(DataError, match=r"empty\.de: file is empty"):
+        read_lines(tmp_path / "empty.de")
+    write(tmp_path / "blank.de.gz", [], gz=True, raw=b"\n\n")
+    with pytest.raises(DataError, match=r"blank\.de\.gz: file is empty"):
+        read_lines(tmp_path / "blank.de.gz")
+
+
+def test_mismatched_line_counts_name_both_files(tmp_path):
+    src = write(tmp_path / "train.de", ["a", "b", "c"])
+    tgt = write(tmp_path / "train.en", ["a", "b"])
+    with pytest.raises(DataError) as e:
+        read_parallel(src, tgt)
+    msg = str(e.value)
+    assert "train.de has 3 lines" in msg and "train.en has 2" in msg and "\n" not in msg
+
+
+def test_invalid_utf8_names_the_line(tmp_path):
+    write(tmp_path / "bad.de", [], raw=b"gut\nauch gut\nschlecht \xff\n")
+    with pytest.raises(DataError, match=r"bad\.de:3: invalid UTF-8"):
+        read_lines(tmp_path / "bad.de")
+
+
+def test_pairs_with_an_empty_side_are_skipped(tmp_path):
+    pt = read_parallel(write(tmp_path / "x.de", ["a", "", "c"]), write(tmp_path / "x.en", ["A", "B", "C"]))
+    assert pt.src == ["a", "c"] and pt.tgt == ["A", "C"]
+
+
+def test_files_corpus_reads_prefixes_plain_or_gz(tmp_path):
+    for split, gz in (("train", False), ("valid", True), ("test", False)):
+        for lang in ("de", "en"):
+            write(tmp_path / f"{split}.{lang}{'.gz' if gz else ''}", [f"{split} {lang} {i}" for i in range(5)], gz=gz)
+    c = load_files({s: str(tmp_path / s) for s in ("train", "valid", "test")}, "de", "en")
+    assert c.splits["valid"].src[0] == "valid de 0" and c.splits["valid"].tgt[4] == "valid en 4"
+    with pytest.raises(DataError, match="data.test_prefix is not set"):
+        load_files({"train": str(tmp_path / "train"), "valid": str(tmp_path / "valid")}, "de", "en")
+
+
+def make_multi30k(root, n=(12, 4, 3), langs=("de", "en")):
+    for stem, count in zip(("train", "val", "test_2016_flickr"), n):
+        for lang in langs:
+            write(root / f"{stem}.{lang}.gz", [f"{stem} {lang} satz {i}" for i in range(count)], gz=True)
+    return root
+
+
+def test_multi30k_reader_on_generated_files(tmp_path):
+    c = load_multi30k("de", "en", make_multi30k(tmp_path), cache_dir=tmp_path / "cache")
+    assert [len(c.splits[s]) for s in ("train", "valid", "test")] == [12, 4, 3]
+    assert c.splits["test"].src[2] == "test_2016_flickr de satz 2"
+    assert c.splits["test"].tgt[2] == "test_2016_flickr en satz 2"
+
+
+def test_multi30k_errors_name_key_and_file(tmp_path):
+    with pytest.raises(DataError, match="data.tgt_lang=ja"):
+        load_multi30k("de", "ja", tmp_path, tmp_path)
+    make_multi30k(tmp_path)
+    (tmp_path / "val.de.gz").unlink()
+    with pytest.raises(DataError, match=r"val\.de\.gz: file not found"):
+        load_multi30k("de", "en", tmp_path, tmp_path)
+    with pytest.raises(DataError, match=r"data.root=\S*nowhere: no such directory"):
+        load_multi30k("de", "en", tmp_path / "nowhere", tmp_path)
+
+
+def test_multi30k_offline_fails_at_once_saying_how_to_point_at_a_copy(tmp_path):
+    started = time.perf_counter()
+    with pytest.raises(DataError) as e:
+        load_multi30k("de", "en", root=None, cache_dir=tmp_path, url="http://127.0.0.1:9/multi30k")
+    assert time.perf_counter() - started < 10
+    assert "data.root" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "multi30k").glob("*")), "nothing half-written is left behind"
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield served, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_download_verifies_sha256(http_root, tmp_path):
+    served, url = http_root
+    (served / "f.gz").write_bytes(b"payload")
+    good = hashlib.sha256(b"payload").hexdigest()
+    dest = download(f"{url}/f.gz", tmp_path / "dl" / "f.gz", good)
+    assert dest.read_bytes() == b"payload"
+    with pytest.raises(DataError, match="SHA-256"):
+        download(f"{url}/f.gz", tmp_path / "dl2" / "f.gz", "0" * 64)
+    assert not (tmp_path / "dl2" / "f.gz").exists() and not list((tmp_path / "dl2").glob(".*tmp"))
+
+
+def test_multi30k_downloads_into_the_cache_once(http_root, tmp_path, monkeypatch):
+    served, url = http_root
+    make_multi30k(served)
+    sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in served.glob("*.gz")}
+    monkeypatch.setattr(corpus_mod, "MULTI30K_SHA256", {**MULTI30K_SHA256, **sums})
+    c = load_multi30k("de", "en", root=None, cache_dir=tmp_path / "cache", url=url)
+    assert len(c.splits["train"]) == 12
+    assert sorted(p.name for p in (tmp_path / "cache" / "multi30k").iterdir()) == sorted(sums)
+    for p in served.glob("*.gz"):
+        p.unlink()  # a second load needs no network
+    assert len(load_multi30k("de", "en", root=None, cache_dir=tmp_path / "cache", url=url).splits["test"]) == 3
+
+
+@pytest.mark.skipif(multi30k_root() is None, reason="set MULTI30K_ROOT to the folder of the real Multi30k raw files")
+def test_multi30k_reader_on_the_real_files(tmp_path):
+    root = multi30k_root()
+    for name, digest in MULTI30K_SHA256.items():
+        assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest, name
+    c = load_multi30k("de", "en", root, tmp_path)
+    assert [len(c.splits[s]) for s in ("train", "valid", "test")] == [29000, 1014, 1000]
+    assert c.splits["train"].src[0] == "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche."
+    assert c.splits["train"].tgt[0] == "Two young, White males are outside near many bushes."
+    fr = load_multi30k("en", "fr", root, tmp_path)
+    assert len(fr.splits["valid"]) == 1014
+
+
+def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
+    corpus = load_synthetic("de", "en", {"train": 200, "valid": 10, "test": 10}, 1, LengthDistribution())
+    spec = {"name": "spacy", "min_freq": 1}
+    first = encode_corpus(corpus, spec, tmp_path)
+    assert not first.from_cache and first.cache_file.is_file()
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("a cached corpus must not be tokenized again")
+
+    monkeypatch.setattr("src.data.encode.build_codecs", no_tokenizing)
+    second = encode_corpus(corpus, spec, tmp_path)
+    assert second.from_cache
+    for split in ("train", "valid", "test"):
+        assert all(torch.equal(a, b) for a, b in zip(first.splits[split].src, second.splits[split].src))
+        assert all(torch.equal(a, b) for a, b in zip(first.splits[split].tgt, second.splits[split].tgt))
+    assert second.tgt_codec.itos == first.tgt_codec.itos
+    monkeypatch.undo()
+    other = encode_corpus(corpus, {"name": "spacy", "min_freq": 2}, tmp_path)
+    assert not other.from_cache and other.cache_file != first.cache_file

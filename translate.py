@@ -1,0 +1,59 @@
+"""Translate a file with a trained checkpoint, and score it when a reference is given.
+
+    python translate.py outputs/runs/<date>/<time>/checkpoints/best.pt --input test.de \
+        [--reference test.en] [--output hyp.en]
+
+Reads one sentence per line (plain or .gz); writes one translation per line (stdout without --output). With
+--reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from src.checkpoint import load_translator
+from src.data.corpus import read_lines
+from src.errors import UserError
+from src.evaluate import score, translate
+from src.fileio import atomic_path
+from src.run import resolve_device
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint written by train.py (checkpoints/best.pt or last.pt)")
+    p.add_argument("--input", required=True, help="source sentences, one per line")
+    p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
+    p.add_argument("--output", help="where to write the translations (default: stdout)")
+    p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--batch-size", type=int, default=128)
+    args = p.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, device, args.tokenizer)
+        sources = read_lines(args.input)
+        references = read_lines(args.reference) if args.reference else None
+        if references is not None and len(references) != len(sources):
+            raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
+        with torch.inference_mode():
+            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=args.batch_size)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.output:
+        with atomic_path(args.output) as tmp:
+            tmp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    else:
+        sys.stdout.write("\n".join(hyps) + "\n")
+    if references is not None:
+        print(json.dumps(score(hyps, references)), file=sys.stderr if not args.output else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
