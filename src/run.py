@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.batching import batch_indices, collate, lengths, split_batch, truncate
@@ -118,8 +118,10 @@ def train(cfg: DictConfig) -> dict:
     try:
         try:
             conf = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as e:
+            raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
         except OmegaConfBaseException as e:
-            raise ConfigError(str(e).splitlines()[0]) from None
+            raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
         OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
         strategy = memory_strategy(conf["memory"])
         summary["strategy"] = strategy.label

@@ -105,7 +105,8 @@ class Trainer:
         scaler.update()
         skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
         opt.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if not skipped:  # the schedule counts the optimizer steps actually taken
+            self.scheduler.step()
         n_src = sum(b.n_src_tokens for b in micro_batches)
         return StepStats(loss_total, nll_total, n_tokens, n_src, grad_norm.detach(), skipped)
 

@@ -11,11 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 
 # Settings that make a run take seconds: a few hundred synthetic pairs, a handful of steps, no progress bar.
-FAST = [
+FAST_TRAIN = [
     "model=tiny",
-    "data.train_size=300",
-    "data.valid_size=20",
-    "data.test_size=20",
     "data.batch_size=16",
     "trainer.max_steps=6",
     "trainer.eval_every=3",
@@ -24,6 +21,7 @@ FAST = [
     "trainer.num_samples=0",
     "trainer.device=cpu",
 ]
+FAST = ["data.train_size=300", "data.valid_size=20", "data.test_size=20", *FAST_TRAIN]
 
 
 def compose_config(*overrides: str, run_dir: Path | None = None, cache_dir: Path | None = None):
@@ -58,7 +56,7 @@ def xlmr_dir(tmp_path_factory) -> Path:
     text = [s for pair in pairs for s in pair]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text), model_writer=model, vocab_size=600, model_type="unigram",
+        sentence_iterator=iter(text), model_writer=model, vocab_size=500, model_type="unigram",
         character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())

@@ -89,3 +89,11 @@ def test_label_follows_values_not_file_names():
 def test_bad_memory_settings_name_the_key(memory, message):
     with pytest.raises(ConfigError, match=message):
         memory_strategy(memory)
+
+
+def test_missing_mandatory_key_is_named(tmp_path):
+    from src.errors import ConfigError
+    from src.run import train
+
+    with pytest.raises(ConfigError, match=r"data.src_lang is required: add data.src_lang=\.\.\."):
+        train(compose_config("data=files", run_dir=tmp_path))

@@ -1,0 +1,47 @@
+"""Peak-memory tracking on the CPU counts exactly what is allocated; bf16 autocast works on the CPU."""
+
+import torch
+
+from src.memory import MemoryStrategy, PeakMemory, TensorMemoryTracker
+
+
+def test_tracker_counts_live_storages_exactly():
+    tracker = TensorMemoryTracker("cpu")
+    kib = 1024
+    with tracker:
+        a = torch.ones(256, 256)  # 256 KiB
+        b = a @ a  # +256 KiB
+        view = b[:10]  # a view allocates nothing
+        del a
+        c = torch.ones(128, 256)  # +128 KiB while b lives
+        b.add_(1)  # in place: nothing new
+    assert tracker.peak == 512 * kib
+    assert tracker.live == (256 + 128) * kib
+    del b
+    assert tracker.live == (256 + 128) * kib  # the view keeps b's storage alive
+    del view, c
+    assert tracker.live == 0
+
+
+def test_tracker_sees_backward_and_state_added_by_hand():
+    layer = torch.nn.Linear(512, 512, bias=False)  # 1 MiB of weights
+    peak = PeakMemory(torch.device("cpu"))
+    peak.track_state(list(layer.parameters()))
+    x = torch.randn(1024, 512, requires_grad=False)  # created outside: not counted
+    with peak.measure():
+        y = layer(x)  # 2 MiB output
+        y.sum().backward()  # grad of the weight: 1 MiB
+    assert layer.weight.grad is not None
+    mb = peak.window_peak_mb()
+    assert 1 + 2 + 1 <= mb < 1 + 2 + 1 + 2.5  # weights + output + weight grad (+ the output's grad)
+
+
+def test_bf16_autocast_runs_on_cpu_and_changes_the_matmul_dtype():
+    strategy = MemoryStrategy(amp="bf16")
+    layer = torch.nn.Linear(16, 16)
+    with strategy.autocast(torch.device("cpu")):
+        out = layer(torch.randn(4, 16))
+    assert out.dtype == torch.bfloat16
+    assert layer.weight.dtype == torch.float32
+    with MemoryStrategy().autocast(torch.device("cpu")):
+        assert layer(torch.randn(4, 16)).dtype == torch.float32

@@ -1,0 +1,73 @@
+"""The Transformer: masks do what they claim, the KV cache equals the full forward pass, sizes match the paper."""
+
+import torch
+
+from src.evaluate import greedy_decode
+from src.model import ModelArgs, Transformer
+
+PAD = 1
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    args = dict(src_vocab=50, tgt_vocab=40, pad_id=PAD, d_model=32, n_heads=4, d_ff=64, encoder_layers=2,
+                decoder_layers=2, dropout=0.0)
+    return Transformer(ModelArgs(**(args | kw))).eval()
+
+
+def test_padding_does_not_change_real_positions():
+    model = tiny()
+    src = torch.tensor([[5, 6, 7, 2]])
+    tgt = torch.tensor([[0, 8, 9]])
+    alone = model(src, tgt)
+    padded = model(torch.tensor([[5, 6, 7, 2, PAD, PAD, PAD]]), torch.tensor([[0, 8, 9, PAD, PAD]]))
+    torch.testing.assert_close(padded[:, :3], alone, rtol=1e-5, atol=1e-6)
+    batch = model(torch.tensor([[5, 6, 7, 2, PAD], [4, 4, 4, 4, 2]]), torch.tensor([[0, 8, 9], [0, 3, 3]]))
+    torch.testing.assert_close(batch[:1], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_is_causal():
+    model = tiny()
+    src = torch.tensor([[5, 6, 7, 2]])
+    a = model(src, torch.tensor([[0, 8, 9, 10]]))
+    b = model(src, torch.tensor([[0, 8, 30, 31]]))
+    torch.testing.assert_close(a[:, :2], b[:, :2])
+    assert not torch.allclose(a[:, 2:], b[:, 2:])
+
+
+def test_kv_cache_decoding_equals_the_full_forward_pass():
+    for norm_first in (False, True):
+        model = tiny(norm_first=norm_first)
+        src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
+        tgt = torch.tensor([[0, 11, 12, 13, 14], [0, 15, 16, 17, 18]])
+        full = model(src, tgt)
+        mask = model.src_mask(src)
+        memory = model.encode(src, mask)
+        caches = [{} for _ in model.decoder]
+        steps = [model.decode_step(memory, mask, tgt[:, t : t + 1], caches) for t in range(tgt.size(1))]
+        torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+        # greedy decoding follows the argmax of the full pass fed with its own output
+        hyp = greedy_decode(model, src, bos_id=0, eos_id=2, pad_id=PAD, max_len=6)
+        prefix = torch.cat([torch.zeros(2, 1, dtype=torch.long), hyp[:, :-1]], 1)
+        expected = model(src, prefix).argmax(-1)
+        for row in range(2):
+            n = (hyp[row] == 2).nonzero()
+            n = int(n[0]) + 1 if len(n) else hyp.size(1)
+            assert torch.equal(hyp[row, :n], expected[row, :n])
+
+
+def test_tied_and_shared_embeddings():
+    model = tiny(tie_embeddings=True)
+    assert model.generator.weight is model.tgt_embed.tokens.weight
+    assert model.src_embed.tokens.weight is not model.tgt_embed.tokens.weight
+    shared = tiny(src_vocab=40, tie_embeddings=True, share_vocab=True)
+    assert shared.src_embed.tokens.weight is shared.tgt_embed.tokens.weight is shared.generator.weight
+
+
+def test_base_model_has_the_papers_parameter_count():
+    # Paper, table 3: base model 65M parameters, with a shared source-target BPE vocabulary of about 37,000.
+    model = Transformer(ModelArgs(src_vocab=37000, tgt_vocab=37000, pad_id=PAD, share_vocab=True))
+    assert 60e6 < model.num_parameters() < 66e6
+    big = Transformer(ModelArgs(src_vocab=37000, tgt_vocab=37000, pad_id=PAD, share_vocab=True, d_model=1024,
+                                n_heads=16, d_ff=4096))
+    assert 205e6 < big.num_parameters() < 220e6  # paper: 213M

@@ -1,0 +1,70 @@
+"""spaCy word vocabularies with learned detokenization; the XLM-R tokenizer loaded through the real code path."""
+
+import pytest
+
+from src.errors import ConfigError
+from src.tokenizers import SPECIALS, HFCodec, SpacyCodec, build_codecs, load_codecs, save_codecs
+
+TEXT = [
+    "Ein Mann (mit Hut) sagt: „Hallo!“",
+    "Zwei Hunde spielen, und ein Kind lacht.",
+    "Ein Mann spielt, und zwei Kinder lachen.",
+    "Der Hund (schwarz) bellt: „Wuff!“",
+    "Die Frau (alt) ruft: „Komm!“",
+    "Ein Hund läuft, und ein Mann wartet.",
+]
+
+
+def test_vocabulary_specials_order_and_min_freq():
+    codec = SpacyCodec.build(TEXT, "de", min_freq=2)
+    assert tuple(codec.itos[:4]) == SPECIALS == ("<s>", "<pad>", "</s>", "<unk>")
+    assert (codec.bos_id, codec.pad_id, codec.eos_id, codec.unk_id) == (0, 1, 2, 3)
+    assert "Mann" in codec.stoi and "Hut" not in codec.stoi  # seen 3 times vs once
+    assert codec.encode(["Hut"]) == [[codec.unk_id]]
+    counts = [codec.itos.index(w) for w in ("Ein", "Mann")]
+    assert counts == sorted(counts)  # most frequent first
+    assert len(SpacyCodec.build(TEXT, "de", min_freq=1, max_size=10)) == 10
+
+
+def test_detokenization_is_learned_from_the_training_text():
+    codec = SpacyCodec.build(TEXT, "de", min_freq=1)
+    assert {",", ".", "!", ")", ":", "“"} <= codec.glue_left
+    assert {"(", "„"} <= codec.glue_right
+    for sentence in TEXT:
+        assert codec.decode(codec.encode([sentence])[0]) == sentence
+    ids = codec.encode(["Ein Mann wartet."])[0]
+    assert codec.decode([codec.bos_id, *ids, codec.eos_id, codec.pad_id, 7]) == "Ein Mann wartet."
+
+
+def test_codecs_save_and_load(tmp_path):
+    src, tgt = build_codecs({"name": "spacy", "min_freq": 1}, "de", "en", TEXT, [t.upper() for t in TEXT])
+    save_codecs(tmp_path, src, tgt)
+    src2, tgt2 = load_codecs(tmp_path)
+    assert src2.itos == src.itos and tgt2.itos == tgt.itos and src2.glue_left == src.glue_left
+    assert src2.encode(TEXT) == src.encode(TEXT)
+
+
+def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
+    src, tgt = build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])
+    assert src is tgt and isinstance(src, HFCodec)
+    assert (src.bos_id, src.pad_id, src.eos_id, src.unk_id) == (0, 1, 2, 3)  # XLM-R's ids
+    assert type(src.tok).__name__ == "XLMRobertaTokenizer"
+    sentence = "Der große Hund sieht den alten Mann im Garten."
+    ids = src.encode([sentence])[0]
+    assert src.bos_id not in ids and src.eos_id not in ids
+    assert src.decode([*ids, src.eos_id, src.pad_id]) == sentence
+    save_codecs(tmp_path, src, tgt)
+    again, again_tgt = load_codecs(tmp_path)
+    assert again is again_tgt and again.encode([sentence])[0] == ids
+
+
+def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        HFCodec(str(tmp_path / "no-such-tokenizer"))
+    assert "tokenizer.name_or_path=" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_spacy_pipeline_says_how_to_fix():
+    codec = SpacyCodec("de", list(SPECIALS), model="de_no_such_pipeline")
+    with pytest.raises(ConfigError, match="tokenizer.models.de=de_no_such_pipeline"):
+        codec.encode(["Hallo"])

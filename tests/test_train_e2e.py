@@ -1,0 +1,143 @@
+"""Whole runs: train(cfg) through the compose API, and train.py / translate.py as a user runs them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import translate
+from src.run import train
+from src.trainer import Trainer
+
+from .conftest import FAST, FAST_TRAIN, ROOT
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_cli(*args: str, cwd: Path = ROOT, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
+    cfg = fast_cfg()
+    summary = train(cfg)
+    run = Path(cfg.paths.output_dir)
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    for key in ("status", "strategy", "device", "steps", "tokens_per_s", "peak_memory_mb", "peak_rss_mb",
+                "valid_bleu", "test_bleu", "sacrebleu_signature", "wall_s"):
+        assert key in summary, key
+    assert summary["status"] == "completed" and summary["strategy"] == "none" and summary["device"] == "cpu"
+    assert summary["steps"] == 6 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
+    assert isinstance(summary["test_bleu"], float) and summary["sacrebleu_signature"].startswith("nrefs:1|")
+    rows = read_jsonl(run / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb"} <= r.keys() for r in train_rows)
+    assert [r["step"] for r in rows if "valid_bleu" in r] == [3, 6]
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "best.pt").is_file()
+    assert (run / "checkpoints" / "last.pt").is_file() and (run / "tokenizer" / "codecs.json").is_file()
+
+    # translate.py with the best checkpoint reproduces the run's test score
+    from src.run import load_corpus
+
+    test = load_corpus(dict(cfg.data), tmp_path).splits["test"]
+    (tmp_path / "test.de").write_text("\n".join(test.src) + "\n")
+    (tmp_path / "test.en").write_text("\n".join(test.tgt) + "\n")
+    out = tmp_path / "hyp.en"
+    assert translate.main([str(run / "checkpoints" / "best.pt"), "--input", str(tmp_path / "test.de"), "--reference",
+                           str(tmp_path / "test.en"), "--output", str(out), "--device", "cpu"]) == 0
+    assert out.read_text().splitlines() == (run / "test.hyp.txt").read_text().splitlines()
+
+
+def test_strategies_compose_in_one_run(fast_cfg):
+    summary = train(fast_cfg("memory=[amp,accum,truncate]", "memory.max_src_len=8", "memory.max_tgt_len=8"))
+    assert summary["status"] == "completed" and summary["strategy"] == "amp+accum+truncate"
+    assert summary["amp"] == "bf16" and summary["accum_steps"] == 4 and summary["micro_batch_size"] == 4
+    cut = summary["truncation"]
+    assert cut["sentences_truncated"] > 0 and 0 < cut["tokens_cut_share"] < 1
+
+
+def test_xlmr_tokenizer_run(fast_cfg, xlmr_dir):
+    summary = train(fast_cfg("tokenizer=xlmr", f"tokenizer.name_or_path={xlmr_dir}"))
+    assert summary["status"] == "completed" and summary["vocab"]["shared"] and summary["vocab"]["src"] == 500 + 4 - 1 + 1
+
+
+def test_out_of_memory_is_recorded_as_such(fast_cfg, monkeypatch):
+    def oom(self, micro_batches):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.91 GiB")
+
+    monkeypatch.setattr(Trainer, "step", oom)
+    cfg = fast_cfg()
+    with pytest.raises(torch.OutOfMemoryError):
+        train(cfg)
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    assert summary["status"] == "oom" and "1.91 GiB" in summary["error"] and summary["strategy"] == "none"
+
+
+def test_wandb_offline_run_is_written(fast_cfg):
+    cfg = fast_cfg("logger=wandb")
+    assert train(cfg)["status"] == "completed"
+    runs = list((Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_training_learns_to_translate(fast_cfg):
+    """A short run on the synthetic corpus scores far above an untrained model."""
+    common = ["data.train_size=3000", "data.valid_size=100", "data.test_size=100", "data.batch_size=64",
+              "optim.lr=2e-3", "optim.warmup_steps=50"]
+    untrained = train(fast_cfg(*common, "trainer.max_steps=1", "trainer.eval_every=1"))
+    trained = train(fast_cfg(*common, "trainer.max_steps=300", "trainer.eval_every=300", "trainer.log_every=50"))
+    assert untrained["test_bleu"] < 2
+    assert trained["test_bleu"] > 25, trained
+
+
+@pytest.mark.slow
+def test_multirun_sweep_writes_one_run_per_strategy(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "memory=amp,accum", *FAST, f"hydra.sweep.dir={sweep}",
+                   f"paths.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert [s["strategy"] for s in summaries] == ["amp", "accum"]
+    assert all(s["status"] == "completed" and s["test_bleu"] is not None for s in summaries)
+
+
+@pytest.mark.parametrize(
+    "files,message",
+    [
+        ({"train.de": None}, "train.de: file not found"),
+        ({"train.de": ""}, "train.de: file is empty"),
+        ({"train.de": "a\nb\nc\n"}, "train.de has 3 lines but"),
+    ],
+    ids=["missing", "empty", "mismatched"],
+)
+def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            (data / f"{split}.{lang}").write_text("ein Satz\nzwei Sätze\n" if lang == "de" else "a sentence\ntwo\n")
+    for name, content in files.items():
+        (data / name).unlink()
+        if content is not None:
+            (data / name).write_text(content)
+    run = tmp_path / "run"
+    proc = run_cli("train.py", "data=files", "data.src_lang=de", "data.tgt_lang=en",
+                   *(f"data.{s}_prefix={data / s}" for s in ("train", "valid", "test")),
+                   *FAST_TRAIN, f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    assert "Traceback" not in output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], output[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and message in summary["error"]
