@@ -116,12 +116,19 @@ class TensorMemoryTracker(TorchDispatchMode):
 
 
 class PeakMemory:
-    """Peak tensor memory of a run on its device: CUDA's allocator statistics, or the tracker on the CPU."""
+    """Peak tensor memory of a run's training steps: CUDA's allocator statistics, or the tracker on the CPU.
+
+    Read in windows (one per log line); ``skip_window`` drops what happened outside training (evaluation)."""
 
     def __init__(self, device: torch.device, track_cpu: bool = True):
         self.device = device
         self.tracker = TensorMemoryTracker(device.type) if device.type != "cuda" and track_cpu else None
         self.run_peak = 0
+        self.run_reserved = 0
+
+    @property
+    def available(self) -> bool:
+        return self.device.type == "cuda" or self.tracker is not None
 
     def track_state(self, *tensors) -> None:
         if self.tracker is not None:
@@ -135,6 +142,7 @@ class PeakMemory:
         """Peak since the last call, in MiB; starts a new window."""
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
+            self.run_reserved = max(self.run_reserved, torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.tracker is not None:
             peak = self.tracker.peak
@@ -144,14 +152,17 @@ class PeakMemory:
         self.run_peak = max(self.run_peak, peak)
         return peak / 2**20
 
-    def run_peak_mb(self) -> float | None:
-        self.window_peak_mb()
-        if self.device.type != "cuda" and self.tracker is None:
-            return None
-        return self.run_peak / 2**20
+    def skip_window(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.tracker is not None:
+            self.tracker.reset_peak()
 
-    def cuda_reserved_mb(self) -> float | None:
-        return torch.cuda.max_memory_reserved(self.device) / 2**20 if self.device.type == "cuda" else None
+    def run_peak_mb(self) -> float | None:
+        return self.run_peak / 2**20 if self.available else None
+
+    def run_reserved_mb(self) -> float | None:
+        return self.run_reserved / 2**20 if self.device.type == "cuda" else None
 
 
 def peak_rss_mb() -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.batching import batch_indices, collate, lengths, split_batch, truncate
@@ -214,17 +215,25 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     best_path, last_path = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
 
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=max_steps, disable=not tr.get("progress", True), desc=strategy.label, dynamic_ncols=True)
     step = epoch = 0
     best_bleu, best_step, last_eval_step = -1.0, 0, -1
-    totals = {"src_tokens": 0, "tgt_tokens": 0, "train_s": 0.0}
     window = _Window(device)
     valid_scores: dict = {}
 
+    def log_window() -> None:
+        metrics = window.flush()
+        if metrics:
+            metrics.update(lr=trainer.lr, epoch=epoch)
+            if (mb := peak.window_peak_mb()) is not None:
+                metrics["peak_memory_mb"] = round(mb, 1)
+            logger.log(metrics, step)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
+
     def run_eval() -> None:
         nonlocal best_bleu, best_step, last_eval_step, valid_scores
+        log_window()  # the training steps so far count; evaluation is neither timed nor measured
         last_eval_step = step
         t0 = time.perf_counter()
         losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"], optim["label_smoothing"], autocast)
@@ -243,9 +252,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
             best_bleu, best_step, valid_scores = scores["bleu"], step, scores
             save_checkpoint(best_path, **state)
         save_checkpoint(last_path, **state)
+        peak.skip_window()
 
-    done = False
-    while not done:
+    while True:
         for indices in batch_indices(sizes, batch_size, shuffle=True, seed=conf["seed"], epoch=epoch):
             micro = [
                 collate([train_split.src[i] for i in part], [train_split.tgt[i] for i in part],
@@ -259,30 +268,18 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
             step += 1
             bar.update(1)
             if step % tr["log_every"] == 0:
-                metrics = window.flush(trainer.lr, peak.window_peak_mb())
-                totals["train_s"] += metrics.pop("_seconds")
-                totals["src_tokens"] += metrics.pop("_src_tokens")
-                totals["tgt_tokens"] += metrics.pop("_tgt_tokens")
-                metrics["epoch"] = epoch
-                logger.log(metrics, step)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
+                log_window()
             if tr.get("eval_every") and step % tr["eval_every"] == 0:
-                window.pause()
                 run_eval()
             if max_steps and step >= max_steps:
-                done = True
                 break
-        epoch += 1
-        if max_epochs and epoch >= max_epochs:
-            done = True
+        else:
+            epoch += 1
+            if not (max_epochs and epoch >= max_epochs):
+                continue
+        break
     bar.close()
-    leftover = window.flush(trainer.lr, peak.window_peak_mb())
-    if leftover:
-        totals["train_s"] += leftover.pop("_seconds")
-        totals["src_tokens"] += leftover.pop("_src_tokens")
-        totals["tgt_tokens"] += leftover.pop("_tgt_tokens")
-        logger.log(leftover | {"epoch": epoch}, step)
+    log_window()
     if last_eval_step != step:
         run_eval()
 
@@ -292,17 +289,17 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
     log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], best_step, test_scores["bleu_signature"])
 
-    train_s = max(totals["train_s"], 1e-9)
+    train_s = max(window.total_seconds, 1e-9)
     return {
         **info,
         "steps": step,
         "epochs": round(step / batches_per_epoch, 3),
-        "src_tokens": totals["src_tokens"],
-        "tgt_tokens": totals["tgt_tokens"],
-        "train_s": round(totals["train_s"], 2),
-        "tokens_per_s": round((totals["src_tokens"] + totals["tgt_tokens"]) / train_s, 1),
+        "src_tokens": window.total_src_tokens,
+        "tgt_tokens": window.total_tgt_tokens,
+        "train_s": round(window.total_seconds, 2),
+        "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "peak_memory_mb": _round(peak.run_peak_mb()),
-        "peak_reserved_mb": _round(peak.cuda_reserved_mb()),
+        "peak_reserved_mb": _round(peak.run_reserved_mb()),
         "best_step": best_step,
         "valid_bleu": valid_scores.get("bleu"),
         "valid_chrf": valid_scores.get("chrf"),
@@ -318,12 +315,14 @@ def _round(x: float | None, digits: int = 1) -> float | None:
 
 
 class _Window:
-    """Training figures between two log lines, read from the device once per window rather than per step.
-
-    The clock runs only while training steps run: it is paused (after the GPU catches up) for evaluation."""
+    """Training figures between two log lines, read from the device once per window rather than per step,
+    plus the run's totals. The clock runs only while training steps run: it is paused (after the GPU catches
+    up) for evaluation."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.total_seconds = 0.0
+        self.total_src_tokens = self.total_tgt_tokens = 0
         self.reset()
 
     def reset(self) -> None:
@@ -352,24 +351,23 @@ class _Window:
         self.src_tokens += stats.n_src_tokens
         self.skipped += stats.skipped
 
-    def flush(self, lr: float, peak_mb: float | None) -> dict:
-        """The window's figures (empty if no step ran); ``_``-prefixed keys are raw totals for the run."""
+    def flush(self) -> dict:
+        """The window's figures (empty if no step ran since the last flush); starts a new window."""
         self.pause()
         if not self.steps:
             return {}
+        self.total_seconds += self.seconds
+        self.total_src_tokens += self.src_tokens
+        self.total_tgt_tokens += self.tgt_tokens
         loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
         metrics = {
             "loss": loss / self.tgt_tokens,
             "nll": nll / self.tgt_tokens,
             "grad_norm": gn / self.steps,
-            "lr": lr,
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,
         }
-        if peak_mb is not None:
-            metrics["peak_memory_mb"] = round(peak_mb, 1)
         if self.skipped:
             metrics["fp16_skipped_steps"] = self.skipped
-        metrics.update(_seconds=self.seconds, _src_tokens=self.src_tokens, _tgt_tokens=self.tgt_tokens)
         self.reset()
         return metrics

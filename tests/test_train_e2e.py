@@ -39,7 +39,7 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
     assert isinstance(summary["test_bleu"], float) and summary["sacrebleu_signature"].startswith("nrefs:1|")
     rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train_rows] == [2, 4, 6]
+    assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
     assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb"} <= r.keys() for r in train_rows)
     assert [r["step"] for r in rows if "valid_bleu" in r] == [3, 6]
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "best.pt").is_file()
@@ -141,3 +141,20 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
     assert len(errors) == 1 and message in errors[0], output[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and message in summary["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_reports_allocator_peaks(fast_cfg):
+    summary = train(fast_cfg("trainer.device=cuda", "memory=amp", "memory.amp=fp16"))
+    assert summary["status"] == "completed" and summary["device"].startswith("cuda")
+    assert 0 < summary["peak_memory_mb"] <= summary["peak_reserved_mb"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
+def test_asking_for_a_missing_gpu_is_one_clear_line():
+    from src.errors import ConfigError
+    from src.run import resolve_device
+
+    with pytest.raises(ConfigError, match="trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
+        resolve_device("cuda")
