@@ -76,31 +76,34 @@ def test_schedule_is_the_papers():
         assert math.isclose(peak * f(step - 1), paper, rel_tol=1e-9)
 
 
-def test_accumulated_micro_batches_equal_one_batch():
-    split = make_split()
-    base, whole = model_and_trainer(MemoryStrategy())
-    start = copy.deepcopy(base)
-    whole.step(micro_batches(split, 1))
+@pytest.fixture
+def one_batch_update():
+    """(initial model, the parameter update of one optimizer step on the whole uneven batch)."""
+    model, trainer = model_and_trainer(MemoryStrategy())
+    start = copy.deepcopy(model)
+    trainer.step(micro_batches(make_split(), 1))
+    return start, updates(start, model)
+
+
+def test_accumulated_micro_batches_equal_one_batch(one_batch_update):
+    start, reference = one_batch_update
     acc_model, acc = model_and_trainer(MemoryStrategy(accum_steps=4))
-    mbs = micro_batches(split, 4)
+    mbs = micro_batches(make_split(), 4)
     assert len({b.src.size(1) for b in mbs}) > 1 and len({b.n_tgt_tokens for b in mbs}) > 1  # uneven on purpose
     acc.step(mbs)
-    assert rel_update_diff(updates(start, acc_model), updates(start, base)) < 1e-5
+    assert rel_update_diff(updates(start, acc_model), reference) < 1e-5
 
 
-def test_dividing_by_the_number_of_micro_batches_would_fail_the_same_check():
+def test_dividing_by_the_number_of_micro_batches_would_fail_the_same_check(one_batch_update):
     """The common mistake: average each micro-batch's loss over its own tokens, then divide by k."""
-    split = make_split()
-    base, whole = model_and_trainer(MemoryStrategy())
-    start = copy.deepcopy(base)
-    whole.step(micro_batches(split, 1))
+    start, reference = one_batch_update
     wrong, trainer = model_and_trainer(MemoryStrategy(accum_steps=4))
-    mbs = micro_batches(split, 4)
+    mbs = micro_batches(make_split(), 4)
     for b in mbs:
         loss_sum, _ = label_smoothed_loss(wrong(b.src, b.tgt_in), b.tgt_out, PAD, 0.1)
         (loss_sum / b.n_tgt_tokens / len(mbs)).backward()
     trainer.optimizer.step()
-    assert rel_update_diff(updates(start, wrong), updates(start, base)) > 1e-3
+    assert rel_update_diff(updates(start, wrong), reference) > 1e-3
 
 
 def test_bf16_step_runs_on_cpu_and_stays_close_to_fp32():
