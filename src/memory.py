@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -165,6 +166,17 @@ class PeakMemory:
         return self.run_reserved / 2**20 if self.device.type == "cuda" else None
 
 
+def reset_peak_rss() -> None:
+    """Start a new peak-RSS measurement, so each run of a sweep (one process) reports its own peak. Linux
+    resets the high-water mark on writing 5 to /proc/self/clear_refs; elsewhere the process peak stays."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak resident set size since ``reset_peak_rss`` (Linux VmHWM), else of the whole process."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / (1024 if sys.platform == "darwin" else 1)

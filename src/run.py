@@ -28,7 +28,7 @@ from .errors import ConfigError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import RunLogger
-from .memory import MemoryStrategy, PeakMemory, peak_rss_mb
+from .memory import MemoryStrategy, PeakMemory, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
 from .tokenizers import save_codecs
 from .trainer import Trainer, inverse_sqrt_schedule, paper_peak_lr
@@ -112,6 +112,7 @@ def train(cfg: DictConfig) -> dict:
     """Train and evaluate one run; writes ``config.yaml``, ``metrics.jsonl``, checkpoints and ``summary.json``
     into ``cfg.paths.output_dir`` and returns the summary. Errors are recorded in the summary, then raised."""
     started = time.perf_counter()
+    reset_peak_rss()
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary: dict = {"status": "failed"}

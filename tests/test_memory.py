@@ -45,3 +45,20 @@ def test_bf16_autocast_runs_on_cpu_and_changes_the_matmul_dtype():
     assert layer.weight.dtype == torch.float32
     with MemoryStrategy().autocast(torch.device("cpu")):
         assert layer(torch.randn(4, 16)).dtype == torch.float32
+
+
+def test_peak_rss_is_per_run_where_linux_allows():
+    import sys
+
+    import pytest
+
+    from src.memory import peak_rss_mb, reset_peak_rss
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("peak-RSS reset is Linux only")
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    big += 1
+    before = peak_rss_mb()
+    del big
+    reset_peak_rss()
+    assert peak_rss_mb() < before - 32
