@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .data.batching import batch_indices, collate, pad_stack
+from .data.batching import batch_indices, collate, pad_stack, pair_sizes
 from .data.encode import EncodedSplit
 from .model import Transformer
 from .tokenizers import Codec
@@ -31,7 +31,7 @@ def validation_loss(
 ) -> dict[str, float]:
     """Per-token label-smoothed loss and negative log-likelihood (and its perplexity) over a split."""
     model.eval()
-    sizes = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
+    sizes = pair_sizes(split)
     loss = nll = 0.0
     tokens = 0
     for idx in batch_indices(sizes, batch_size, shuffle=False):

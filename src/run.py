@@ -20,7 +20,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data.batching import batch_indices, collate, lengths, split_batch, truncate
+from .data.batching import batch_indices, collate, pair_sizes, split_batch, truncate
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, encode_corpus
 from .data.synthetic import LengthDistribution
@@ -211,7 +211,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     if not max_steps and not max_epochs:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
-    sizes = lengths(train_split)
+    sizes = pair_sizes(train_split)
     batches_per_epoch = len(batch_indices(sizes, batch_size, shuffle=False))
     best_path, last_path = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}

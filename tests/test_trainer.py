@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.data.batching import Batch, batch_indices, collate, split_batch, truncate
+from src.data.batching import Batch, batch_indices, collate, pair_sizes, split_batch, truncate
 from src.data.encode import EncodedSplit
 from src.memory import MemoryStrategy
 from src.model import ModelArgs, Transformer
@@ -39,7 +39,7 @@ def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False,
 
 
 def micro_batches(split: EncodedSplit, parts: int) -> list[Batch]:
-    sizes = [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
+    sizes = pair_sizes(split)
     return [
         collate([split.src[i] for i in p], [split.tgt[i] for i in p], PAD, BOS, EOS)
         for p in split_batch(list(range(len(split))), sizes, parts)

@@ -54,7 +54,7 @@ def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_
     return Batch(*tensors, sum(len(s) for s in src_seqs), sum(len(t) for t in tgt_out))
 
 
-def lengths(split: EncodedSplit) -> list[int]:
+def pair_sizes(split: EncodedSplit) -> list[int]:
     """The padded size a pair costs: the longer of its source and target (each with one special token)."""
     return [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
 
