@@ -16,7 +16,7 @@ from .data.batching import batch_indices, collate, pad_stack, pair_sizes
 from .data.encode import EncodedSplit
 from .model import Transformer
 from .tokenizers import Codec
-from .trainer import label_smoothed_loss
+from .trainer import batch_loss
 
 
 @torch.no_grad()
@@ -28,6 +28,7 @@ def validation_loss(
     batch_size: int,
     label_smoothing: float,
     autocast=contextlib.nullcontext,
+    loss_chunk: int | None = None,
 ) -> dict[str, float]:
     """Per-token label-smoothed loss and negative log-likelihood (and its perplexity) over a split."""
     model.eval()
@@ -38,8 +39,7 @@ def validation_loss(
         b = collate([split.src[i] for i in idx], [split.tgt[i] for i in idx], codec.pad_id, codec.bos_id, codec.eos_id)
         b = b.to(device)
         with autocast():
-            logits = model(b.src, b.tgt_in)
-        ls, ns = label_smoothed_loss(logits, b.tgt_out, codec.pad_id, label_smoothing)
+            ls, ns = batch_loss(model, b, codec.pad_id, label_smoothing, loss_chunk)
         loss, nll, tokens = loss + ls.item(), nll + ns.item(), tokens + b.n_tgt_tokens
     tokens = max(tokens, 1)
     return {"loss": loss / tokens, "nll": nll / tokens, "ppl": float(torch.tensor(nll / tokens).exp())}

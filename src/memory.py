@@ -1,10 +1,18 @@
 """Memory strategies and memory measurement.
 
-A run's strategies come from the ``memory`` config group and compose (``memory=[amp,accum,truncate]``):
+A run's strategies come from the ``memory`` config group and compose (``memory=[amp,accum,checkpoint]``); each
+is one file in ``conf/memory/`` and one place in ``src/``:
 
-- ``amp``: autocast to ``bf16`` or ``fp16``; fp16 adds a GradScaler (see ``train.Trainer``);
-- ``accum``: each optimizer step's batch is cut into ``accum_steps`` micro-batches whose gradients add up;
-- ``truncate``: sources and targets are cut to ``max_src_len`` / ``max_tgt_len`` tokens.
+- ``amp``: autocast to ``bf16`` or ``fp16``; fp16 adds a GradScaler (``trainer.Trainer``);
+- ``accum``: each optimizer step's batch runs as ``accum_steps`` micro-batches whose gradients add up
+  (``trainer.Trainer.step``, ``data.batching.split_batch``);
+- ``truncate``: training sources and targets over ``max_src_len`` / ``max_tgt_len`` tokens are cut, or their pairs
+  dropped (``overlong``) (``data.batching.limit_lengths``);
+- ``tokens``: batches under a token budget, padding counted (``data.max_tokens``; ``data.batching``);
+- ``checkpoint``: activation checkpointing per encoder and decoder layer (``model.Transformer``);
+- ``chunked_ce``: output projection and loss over ``loss_chunk`` target positions at a time
+  (``trainer.chunked_loss``);
+- ``trim_vocab``: the vocabulary cut to the pieces the training data uses (``tokenizers.TrimmedCodec``).
 
 The label of a run (``amp+accum``) is derived from these settings, never typed by hand.
 
@@ -36,16 +44,28 @@ class MemoryStrategy:
     accum_steps: int = 1
     max_src_len: int | None = None
     max_tgt_len: int | None = None
+    overlong: str = "truncate"  # or "drop"
+    checkpoint: bool = False
+    loss_chunk: int | None = None  # target positions per chunk of the output projection and loss
+    trim_vocab: bool = False
+    max_tokens: int | None = None  # data.max_tokens: the token budget of one optimizer step's batch
 
     def __post_init__(self):
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise ConfigError(f"memory.amp={self.amp}: expected bf16, fp16 or null")
-        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
-            raise ConfigError(f"memory.accum_steps={self.accum_steps}: must be an integer >= 1")
-        for key in ("max_src_len", "max_tgt_len"):
+        if self.overlong not in ("truncate", "drop"):
+            raise ConfigError(f"memory.overlong={self.overlong}: expected truncate or drop")
+        for key, minimum in (("accum_steps", 1), ("max_src_len", 1), ("max_tgt_len", 1), ("loss_chunk", 1),
+                             ("max_tokens", 2)):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"memory.{key}={value}: must be an integer >= 1, or null for no limit")
+            if key != "accum_steps" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                where = "data" if key == "max_tokens" else "memory"
+                raise ConfigError(f"{where}.{key}={value}: must be an integer >= {minimum}" + (", or null" if key != "accum_steps" else ""))
+        for key in ("checkpoint", "trim_vocab"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"memory.{key}={getattr(self, key)}: expected true or false")
 
     @property
     def truncates(self) -> bool:
@@ -53,7 +73,19 @@ class MemoryStrategy:
 
     @property
     def label(self) -> str:
-        parts = [name for name, on in (("amp", self.amp), ("accum", self.accum_steps > 1), ("truncate", self.truncates)) if on]
+        parts = [
+            name
+            for name, on in (
+                ("amp", self.amp),
+                ("accum", self.accum_steps > 1),
+                ("truncate", self.truncates),
+                ("tokens", self.max_tokens),
+                ("checkpoint", self.checkpoint),
+                ("chunked_ce", self.loss_chunk),
+                ("trim_vocab", self.trim_vocab),
+            )
+            if on
+        ]
         return "+".join(parts) or "none"
 
     @property
@@ -70,9 +102,18 @@ class MemoryStrategy:
             raise ConfigError(f"memory.amp=bf16: {torch.cuda.get_device_name(device)} has no bf16; use memory.amp=fp16")
 
 
-def strategy_label(memory: dict) -> str:
-    """The label of a ``memory`` config (a plain dict), e.g. ``amp+accum``."""
-    return MemoryStrategy(**memory).label
+def memory_strategy(memory: dict, max_tokens: int | None = None) -> MemoryStrategy:
+    """The strategy of a ``memory`` config (a plain dict) and ``data.max_tokens``."""
+    try:
+        return MemoryStrategy(**memory, max_tokens=max_tokens)
+    except TypeError as e:
+        known = ", ".join(f for f in MemoryStrategy.__dataclass_fields__ if f != "max_tokens")
+        raise ConfigError(f"memory: {e} (known keys: {known})") from None
+
+
+def strategy_label(memory: dict, max_tokens: int | None = None) -> str:
+    """The label of a ``memory`` config, e.g. ``amp+accum``."""
+    return memory_strategy(memory, max_tokens).label
 
 
 class TensorMemoryTracker(TorchDispatchMode):

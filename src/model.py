@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,15 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         if a.tie_embeddings:
             self.generator.weight = self.tgt_embed.tokens.weight
+        # memory=checkpoint: keep only each layer's input during training and recompute the layer in backward.
+        # A run-time setting, not part of the architecture, so it is not in ModelArgs or the checkpoints.
+        self.checkpoint_layers = False
+
+    def _layer(self, layer: nn.Module, *args: Tensor) -> Tensor:
+        if self.checkpoint_layers and self.training and torch.is_grad_enabled():
+            # Non-reentrant checkpointing restores the RNG state for the recomputation: the same dropout masks.
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
     def src_mask(self, src: Tensor) -> Tensor:
         """(B, 1, 1, S): True where the key is a real source token."""
@@ -205,19 +215,24 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, src_mask: Tensor) -> Tensor:
         x = self.src_embed(src)
         for layer in self.encoder:
-            x = layer(x, src_mask)
+            x = self._layer(layer, x, src_mask)
         return self.enc_norm(x)
 
     def decode(self, memory: Tensor, src_mask: Tensor, tgt_in: Tensor) -> Tensor:
         """Hidden states of the target positions, (B, T, D); ``generator`` turns them into logits."""
         y = self.tgt_embed(tgt_in)
         for layer in self.decoder:
-            y = layer(y, memory, src_mask)
+            y = self._layer(layer, y, memory, src_mask)
         return self.dec_norm(y)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+    def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Final decoder states (B, T, D), before the output projection."""
         src_mask = self.src_mask(src)
-        return self.generator(self.decode(self.encode(src, src_mask), src_mask, tgt_in))
+        return self.decode(self.encode(src, src_mask), src_mask, tgt_in)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Logits (B, T, vocabulary)."""
+        return self.generator(self.hidden(src, tgt_in))
 
     def decode_step(self, memory: Tensor, src_mask: Tensor, tokens: Tensor, caches: list[dict]) -> Tensor:
         """Logits for the next position given the newest tokens (B, 1) and the per-layer caches."""

@@ -20,15 +20,15 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data.batching import batch_indices, collate, pair_sizes, split_batch, truncate
+from .data.batching import collate, epoch_batches, limit_lengths, pair_sizes, split_batch
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
-from .data.encode import EncodedCorpus, encode_corpus
+from .data.encode import EncodedCorpus, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
-from .errors import ConfigError, UserError
+from .errors import ConfigError, DataError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import RunLogger
-from .memory import MemoryStrategy, PeakMemory, peak_rss_mb, reset_peak_rss
+from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
 from .tokenizers import save_codecs
 from .trainer import Trainer, inverse_sqrt_schedule, paper_peak_lr
@@ -78,6 +78,12 @@ def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
     return Transformer(args)
 
 
+def count_parameters(model: dict, encoded: EncodedCorpus) -> int:
+    """Parameters of the configured model for these vocabularies, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return build_model(model, encoded).num_parameters()
+
+
 def build_optimizer(model: Transformer, optim: dict, device: torch.device):
     warmup = optim["warmup_steps"]
     peak = optim.get("lr") or paper_peak_lr(model.args.d_model, warmup, optim.get("lr_factor", 1.0))
@@ -91,13 +97,6 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(warmup))
     return optimizer, scheduler, peak
-
-
-def memory_strategy(memory: dict) -> MemoryStrategy:
-    try:
-        return MemoryStrategy(**memory)
-    except TypeError as e:
-        raise ConfigError(f"memory: {e} (known keys: amp, accum_steps, max_src_len, max_tgt_len)") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -125,7 +124,7 @@ def train(cfg: DictConfig) -> dict:
         except OmegaConfBaseException as e:
             raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
         OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
-        strategy = memory_strategy(conf["memory"])
+        strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
         logger = RunLogger(run_dir, conf["logger"].get("wandb"), conf, name=strategy.label)
         summary.update(_run(conf, strategy, run_dir, logger))
@@ -157,21 +156,30 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
 
     corpus = load_corpus(data, cache_dir)
     encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
+    info: dict = {"device": str(device), "sentences": {k: len(v) for k, v in encoded.splits.items()}}
+    if strategy.trim_vocab:
+        full = encoded
+        encoded = trim_vocabulary(encoded)
+        info["trim_vocab"] = {
+            "vocab_before": {"src": len(full.src_codec), "tgt": len(full.tgt_codec)},
+            "vocab_after": {"src": len(encoded.src_codec), "tgt": len(encoded.tgt_codec)},
+            "parameters_before": count_parameters(conf["model"], full),
+            "parameters_after": count_parameters(conf["model"], encoded),
+        }
+        log.info("trim_vocab: %s", info["trim_vocab"])
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
     save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
+    info["vocab"] = {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec}
     train_split = encoded.splits["train"]
-    info: dict = {
-        "device": str(device),
-        "sentences": {k: len(v) for k, v in encoded.splits.items()},
-        "vocab": {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec},
-    }
     if strategy.truncates:
-        train_split, cut = truncate(train_split, strategy.max_src_len, strategy.max_tgt_len)
-        info["truncation"] = cut.as_dict()
+        train_split, limited = limit_lengths(train_split, strategy.max_src_len, strategy.max_tgt_len, strategy.overlong)
+        info["length_limit"] = limited.as_dict()
         log.info(
-            "truncate: %d of %d training pairs cut (%.2f%% of tokens)",
-            cut.sentences, cut.total_sentences, 100 * info["truncation"]["tokens_cut_share"],
+            "truncate (%s): %d of %d training pairs over the limits, %.2f%% of the tokens removed",
+            strategy.overlong, limited.pairs, limited.total_pairs, 100 * info["length_limit"]["tokens_removed_share"],
         )
+        if not len(train_split):
+            raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
 
     seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
     model = build_model(conf["model"], encoded).to(device)
@@ -179,19 +187,30 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     trainer = Trainer(
         model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"], optim["clip_grad_norm"]
     )
-    batch_size = data["batch_size"]
+    batch_size, max_tokens = data["batch_size"], strategy.max_tokens
+    sizes = pair_sizes(train_split)
+
+    def batches(epoch: int) -> list[list[int]]:
+        try:
+            return epoch_batches(sizes, batch_size, max_tokens, shuffle=True, seed=conf["seed"], epoch=epoch)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    batches_per_epoch = len(batches(0))
     info.update(
         parameters=model.num_parameters(),
-        batch_size=batch_size,
+        batch_size=None if max_tokens else batch_size,
+        max_tokens=max_tokens,
+        batches_per_epoch=batches_per_epoch,
         accum_steps=strategy.accum_steps,
-        micro_batch_size=-(-batch_size // strategy.accum_steps),
+        micro_batch_size=None if max_tokens else -(-batch_size // strategy.accum_steps),
         amp=strategy.amp,
         peak_lr=peak_lr,
     )
     log.info(
-        "%s: %s parameters, vocab %d/%d, %d training pairs, batch %d in %d micro-batches, device %s",
-        strategy.label, f"{info['parameters']:,}", len(src_codec), len(tgt_codec), len(train_split), batch_size,
-        strategy.accum_steps, device,
+        "%s: %s parameters, vocab %d/%d, %d training pairs, batches of %s in %d micro-batches, device %s",
+        strategy.label, f"{info['parameters']:,}", len(src_codec), len(tgt_codec), len(train_split),
+        f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, device,
     )
 
     peak = PeakMemory(device, track_cpu=tr.get("track_memory", True))
@@ -211,8 +230,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     if not max_steps and not max_epochs:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
-    sizes = pair_sizes(train_split)
-    batches_per_epoch = len(batch_indices(sizes, batch_size, shuffle=False))
     best_path, last_path = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
 
@@ -237,7 +254,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         log_window()  # the training steps so far count; evaluation is neither timed nor measured
         last_eval_step = step
         t0 = time.perf_counter()
-        losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"], optim["label_smoothing"], autocast)
+        losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
+                                 optim["label_smoothing"], autocast, strategy.loss_chunk)
         scores, hyps = evaluate("valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
@@ -256,7 +274,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         peak.skip_window()
 
     while True:
-        for indices in batch_indices(sizes, batch_size, shuffle=True, seed=conf["seed"], epoch=epoch):
+        for indices in batches(epoch):
             micro = [
                 collate([train_split.src[i] for i in part], [train_split.tgt[i] for i in part],
                         tgt_codec.pad_id, tgt_codec.bos_id, tgt_codec.eos_id)
@@ -299,6 +317,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "tgt_tokens": window.total_tgt_tokens,
         "train_s": round(window.total_seconds, 2),
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
+        "padding_ratio": round(window.padding_ratio(total=True), 4),
+        "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "peak_memory_mb": _round(peak.run_peak_mb()),
         "peak_reserved_mb": _round(peak.run_reserved_mb()),
         "best_step": best_step,
@@ -323,11 +343,11 @@ class _Window:
     def __init__(self, device: torch.device):
         self.device = device
         self.total_seconds = 0.0
-        self.total_src_tokens = self.total_tgt_tokens = 0
+        self.total_src_tokens = self.total_tgt_tokens = self.total_padded = self.total_skipped = 0
         self.reset()
 
     def reset(self) -> None:
-        self.steps = self.tgt_tokens = self.src_tokens = self.skipped = 0
+        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = 0
         self.loss = self.nll = self.grad_norm = 0.0
         self.seconds = 0.0
         self._t0: float | None = None
@@ -350,7 +370,14 @@ class _Window:
         self.grad_norm = self.grad_norm + stats.grad_norm
         self.tgt_tokens += stats.n_tgt_tokens
         self.src_tokens += stats.n_src_tokens
+        self.padded += stats.n_padded
         self.skipped += stats.skipped
+
+    def padding_ratio(self, total: bool = False) -> float:
+        """Share of the source and target positions computed on that were padding."""
+        real = self.total_src_tokens + self.total_tgt_tokens if total else self.src_tokens + self.tgt_tokens
+        padded = self.total_padded if total else self.padded
+        return 1 - real / padded if padded else 0.0
 
     def flush(self) -> dict:
         """The window's figures (empty if no step ran since the last flush); starts a new window."""
@@ -360,6 +387,8 @@ class _Window:
         self.total_seconds += self.seconds
         self.total_src_tokens += self.src_tokens
         self.total_tgt_tokens += self.tgt_tokens
+        self.total_padded += self.padded
+        self.total_skipped += self.skipped
         loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
         metrics = {
             "loss": loss / self.tgt_tokens,
@@ -367,6 +396,7 @@ class _Window:
             "grad_norm": gn / self.steps,
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,
+            "padding_ratio": self.padding_ratio(),
         }
         if self.skipped:
             metrics["fp16_skipped_steps"] = self.skipped

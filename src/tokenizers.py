@@ -227,6 +227,46 @@ class HFCodec(Codec):
         self.tok.save_pretrained(directory / "hf")
 
 
+# ------------------------------------------------------------------------------------------ trimmed vocabulary
+
+
+class TrimmedCodec(Codec):
+    """A codec restricted to the ids in ``kept`` (memory=trim_vocab), renumbered ``0..len(kept)-1`` in their
+    original order. Ids outside ``kept`` encode as ``<unk>``; decoding maps back and lets the base codec decode."""
+
+    def __init__(self, base: Codec, kept: Sequence[int]):
+        self.base, self.kept = base, sorted(set(kept))
+        self.new_id = {old: new for new, old in enumerate(self.kept)}
+        specials = (base.bos_id, base.pad_id, base.eos_id, base.unk_id)
+        missing = [i for i in specials if i not in self.new_id]
+        if missing:
+            raise ValueError(f"a trimmed vocabulary must keep the special ids {specials}; missing {missing}")
+        self.bos_id, self.pad_id, self.eos_id, self.unk_id = (self.new_id[i] for i in specials)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def lookup_table(self) -> list[int]:
+        """New id of each base id (``<unk>`` where the id was dropped)."""
+        table = [self.unk_id] * (max(len(self.base), self.kept[-1] + 1))
+        for new, old in enumerate(self.kept):
+            table[old] = new
+        return table
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        new_id, unk = self.new_id, self.unk_id
+        return [[new_id.get(i, unk) for i in ids] for ids in self.base.encode(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.base.decode(self.kept[int(i)] for i in ids)
+
+    def state(self) -> dict:
+        return {"type": "trimmed", "base": self.base.state(), "kept": self.kept}
+
+    def save(self, directory: Path) -> None:
+        self.base.save(directory)
+
+
 # ------------------------------------------------------------------------------------------------ building
 
 
@@ -256,6 +296,8 @@ def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
     if state["type"] == "hf":
         local = directory / "hf" if directory is not None else None
         return HFCodec(str(local) if local is not None and local.is_dir() else state["name_or_path"])
+    if state["type"] == "trimmed":
+        return TrimmedCodec(codec_from_state(state["base"], directory), state["kept"])
     raise ValueError(f"unknown codec type {state['type']!r}")
 
 

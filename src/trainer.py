@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .data.batching import Batch
 from .memory import MemoryStrategy
+from .model import Transformer
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -30,6 +32,40 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: fl
     smooth = -lprobs.mean(dim=-1)
     loss = (1.0 - epsilon) * nll + epsilon * smooth
     return loss[mask].sum(), nll[mask].sum()
+
+
+def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float):
+    return label_smoothed_loss(generator(hidden), target, pad_id, epsilon)
+
+
+def chunked_loss(
+    generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """``label_smoothed_loss(generator(hidden), target)`` without the whole logits tensor.
+
+    Only the non-pad positions are projected, ``chunk`` of them at a time; each chunk is checkpointed, so its
+    logits are freed once its loss is known and recomputed one chunk at a time in backward. Peak logits memory
+    falls from ``tokens x vocabulary`` to ``chunk x vocabulary``, for one more output projection."""
+    keep = target != pad_id
+    h, t = hidden[keep], target[keep]
+    loss = nll = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, t.numel(), chunk):
+        part = checkpoint(
+            _projected_loss, generator, h[start : start + chunk], t[start : start + chunk], pad_id, epsilon,
+            use_reentrant=False,
+        )
+        loss, nll = loss + part[0], nll + part[1]
+    return loss, nll
+
+
+def batch_loss(
+    model: Transformer, batch: Batch, pad_id: int, epsilon: float, loss_chunk: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Summed label-smoothed loss and NLL of a batch on the model's device (call under the autocast context)."""
+    hidden = model.hidden(batch.src, batch.tgt_in)
+    if loss_chunk:
+        return chunked_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon, loss_chunk)
+    return label_smoothed_loss(model.generator(hidden), batch.tgt_out, pad_id, epsilon)
 
 
 def inverse_sqrt_schedule(warmup_steps: int):
@@ -55,6 +91,7 @@ class StepStats:
     nll_sum: Tensor
     n_tgt_tokens: int
     n_src_tokens: int
+    n_padded: int  # source and target positions including padding
     grad_norm: Tensor
     skipped: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the update
 
@@ -62,7 +99,7 @@ class StepStats:
 class Trainer:
     def __init__(
         self,
-        model: nn.Module,
+        model: Transformer,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         strategy: MemoryStrategy,
@@ -76,6 +113,7 @@ class Trainer:
         self.label_smoothing, self.clip_grad_norm = label_smoothing, clip_grad_norm
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=strategy.amp == "fp16")
+        model.checkpoint_layers = strategy.checkpoint
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         """One optimizer step over the micro-batches of one batch."""
@@ -87,9 +125,7 @@ class Trainer:
         for batch in micro_batches:
             batch = batch.to(self.device)
             with self.strategy.autocast(self.device):
-                logits = model(batch.src, batch.tgt_in)
-            loss_sum, nll_sum = label_smoothed_loss(logits, batch.tgt_out, self.pad_id, self.label_smoothing)
-            del logits  # let the largest activation go before backward allocates its gradient
+                loss_sum, nll_sum = batch_loss(model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk)
             scaler.scale(loss_sum / n_tokens).backward()
             loss_total += loss_sum.detach()
             nll_total += nll_sum.detach()
@@ -108,7 +144,8 @@ class Trainer:
         if not skipped:  # the schedule counts the optimizer steps actually taken
             self.scheduler.step()
         n_src = sum(b.n_src_tokens for b in micro_batches)
-        return StepStats(loss_total, nll_total, n_tokens, n_src, grad_norm.detach(), skipped)
+        n_padded = sum(b.n_padded for b in micro_batches)
+        return StepStats(loss_total, nll_total, n_tokens, n_src, n_padded, grad_norm.detach(), skipped)
 
     @property
     def lr(self) -> float:

@@ -6,8 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError
-from src.memory import strategy_label
-from src.run import memory_strategy
+from src.memory import memory_strategy, strategy_label
 
 from .conftest import CONF, compose_config
 

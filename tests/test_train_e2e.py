@@ -61,8 +61,8 @@ def test_strategies_compose_in_one_run(fast_cfg):
     summary = train(fast_cfg("memory=[amp,accum,truncate]", "memory.max_src_len=8", "memory.max_tgt_len=8"))
     assert summary["status"] == "completed" and summary["strategy"] == "amp+accum+truncate"
     assert summary["amp"] == "bf16" and summary["accum_steps"] == 4 and summary["micro_batch_size"] == 4
-    cut = summary["truncation"]
-    assert cut["sentences_truncated"] > 0 and 0 < cut["tokens_cut_share"] < 1
+    cut = summary["length_limit"]
+    assert cut["pairs_affected"] > 0 and 0 < cut["tokens_removed_share"] < 1
 
 
 def test_xlmr_tokenizer_run(fast_cfg, xlmr_dir):

@@ -7,54 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.data.batching import Batch, batch_indices, collate, pair_sizes, split_batch, truncate
+from src.data.batching import batch_indices, collate, limit_lengths, pair_sizes, split_batch, token_batch_indices
 from src.data.encode import EncodedSplit
 from src.memory import MemoryStrategy
-from src.model import ModelArgs, Transformer
-from src.trainer import Trainer, inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
+from src.trainer import inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
 
-PAD, BOS, EOS = 1, 0, 2
-
-
-def make_split(n=8, seed=0, vocab=30) -> EncodedSplit:
-    g = torch.Generator().manual_seed(seed)
-    lens = [3, 17, 5, 11, 2, 9, 14, 6][:n]  # deliberately uneven
-    src = [torch.randint(4, vocab, (n_,), generator=g) for n_ in lens]
-    tgt = [torch.randint(4, vocab, (max(1, n_ - 1 + i % 3),), generator=g) for i, n_ in enumerate(lens)]
-    return EncodedSplit(src, tgt)
-
-
-def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0):
-    """With plain SGD (the default here) a parameter update is the gradient times lr, so equal updates mean
-    equal gradients; Adam's first step, ``lr * g / |g|``, would amplify rounding noise in near-zero gradients."""
-    torch.manual_seed(seed)
-    model = Transformer(ModelArgs(src_vocab=30, tgt_vocab=30, pad_id=PAD, d_model=32, n_heads=4, d_ff=64,
-                                  encoder_layers=2, decoder_layers=2, dropout=dropout))
-    if adam:
-        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4))
-    return model, Trainer(model, opt, sched, strategy, torch.device("cpu"), PAD, label_smoothing=0.1, clip_grad_norm=None)
-
-
-def micro_batches(split: EncodedSplit, parts: int) -> list[Batch]:
-    sizes = pair_sizes(split)
-    return [
-        collate([split.src[i] for i in p], [split.tgt[i] for i in p], PAD, BOS, EOS)
-        for p in split_batch(list(range(len(split))), sizes, parts)
-    ]
-
-
-def updates(before: torch.nn.Module, after: torch.nn.Module) -> list[torch.Tensor]:
-    return [pa.detach() - pb.detach() for pa, pb in zip(after.parameters(), before.parameters())]
-
-
-def rel_update_diff(u: list[torch.Tensor], v: list[torch.Tensor]) -> float:
-    """||u - v|| / ||v|| over all parameters together (per tensor, the key-projection biases, whose true
-    gradient is zero because softmax ignores a constant added to every score, would compare rounding noise)."""
-    flat_u, flat_v = torch.cat([a.flatten() for a in u]), torch.cat([b.flatten() for b in v])
-    return ((flat_u - flat_v).norm() / flat_v.norm()).item()
+from .helpers import BOS, EOS, PAD, make_split, micro_batches, model_and_trainer, rel_update_diff, updates
 
 
 def test_label_smoothed_loss_matches_pytorch():
@@ -144,10 +102,56 @@ def test_every_example_appears_once_per_epoch_in_a_reproducible_order():
 
 def test_truncation_cuts_and_counts():
     split = EncodedSplit([torch.arange(10), torch.arange(3)], [torch.arange(4), torch.arange(8)])
-    cut, stats = truncate(split, max_src_len=5, max_tgt_len=6)
+    cut, stats = limit_lengths(split, max_src_len=5, max_tgt_len=6)
     assert [len(s) for s in cut.src] == [5, 3] and [len(t) for t in cut.tgt] == [4, 6]
     d = stats.as_dict()
-    assert d["sentences_truncated"] == 2 and d["src_tokens_cut"] == 5 and d["tgt_tokens_cut"] == 2
-    assert d["tokens_cut_share"] == pytest.approx(7 / 25)
-    _, none = truncate(split, None, None)
-    assert none.sentences == 0
+    assert d["pairs_affected"] == 2 and d["src_tokens_removed"] == 5 and d["tgt_tokens_removed"] == 2
+    assert d["tokens_removed_share"] == pytest.approx(7 / 25) and d["overlong"] == "truncate"
+    _, none = limit_lengths(split, None, None)
+    assert none.pairs == 0
+
+
+def test_overlong_pairs_can_be_dropped_instead():
+    split = EncodedSplit([torch.arange(10), torch.arange(3), torch.arange(2)], [torch.arange(4), torch.arange(8), torch.arange(2)])
+    kept, stats = limit_lengths(split, max_src_len=5, max_tgt_len=6, overlong="drop")
+    assert [len(s) for s in kept.src] == [2] and [len(t) for t in kept.tgt] == [2]
+    d = stats.as_dict()
+    assert d["pairs_affected"] == 2 and d["pairs_affected_share"] == pytest.approx(2 / 3)
+    assert d["src_tokens_removed"] == 13 and d["tgt_tokens_removed"] == 12
+
+
+@pytest.mark.parametrize("max_tokens", [40, 64, 257, 1000])
+def test_token_batches_respect_the_budget_and_cover_the_epoch(max_tokens):
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randint(4, 30, (int(n),), generator=g) for n in torch.randint(1, 39, (500,), generator=g)]
+    tgt = [torch.randint(4, 30, (int(n),), generator=g) for n in torch.randint(1, 39, (500,), generator=g)]
+    split = EncodedSplit(src, tgt)
+    sizes = pair_sizes(split)
+    for epoch in (0, 1):
+        batches = token_batch_indices(sizes, max_tokens, shuffle=True, seed=3, epoch=epoch)
+        assert sorted(i for b in batches for i in b) == list(range(500))  # each example exactly once
+        for b in batches:
+            assert len(b) * max(sizes[i] for i in b) <= max_tokens  # padding counted
+            batch = collate([src[i] for i in b], [tgt[i] for i in b], PAD, BOS, EOS)
+            assert batch.src.numel() <= max_tokens and batch.tgt_out.numel() <= max_tokens
+    assert token_batch_indices(sizes, max_tokens, True, 3, 0) == token_batch_indices(sizes, max_tokens, True, 3, 0)
+    assert token_batch_indices(sizes, max_tokens, True, 3, 0) != token_batch_indices(sizes, max_tokens, True, 3, 1)
+
+
+def test_token_batches_pad_less_than_random_sentence_batches():
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(2, 60, (2000,), generator=g).tolist()
+    split = EncodedSplit([torch.ones(n, dtype=torch.long) * 5 for n in lens], [torch.ones(n, dtype=torch.long) * 5 for n in lens])
+    sizes = pair_sizes(split)
+
+    def padding(batches):
+        padded = sum(len(b) * max(sizes[i] for i in b) for b in batches)
+        return 1 - sum(sizes) / padded
+
+    random_batches = [list(range(i, min(i + 64, 2000))) for i in range(0, 2000, 64)]
+    assert padding(token_batch_indices(sizes, 64 * 32, True)) < 0.05 < 0.3 < padding(random_batches)
+
+
+def test_a_budget_below_the_longest_pair_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"data.max_tokens=10 is smaller than the longest training pair \(12 tokens"):
+        token_batch_indices([5, 12, 3], 10, shuffle=False)

@@ -27,6 +27,11 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
+    @property
+    def n_padded(self) -> int:
+        """Source and target positions, padding included (what the model computes on)."""
+        return self.src.numel() + self.tgt_out.numel()
+
     def to(self, device: torch.device) -> Batch:
         nb = device.type == "cuda"
         return Batch(
@@ -98,40 +103,90 @@ def split_batch(indices: list[int], sizes: list[int], parts: int) -> list[list[i
     return out
 
 
+def token_batch_indices(
+    sizes: list[int], max_tokens: int, shuffle: bool, seed: int = 0, epoch: int = 0
+) -> list[list[int]]:
+    """Batches under a token budget, padding counted: a batch of n pairs costs n x its largest pair size, and
+    no batch costs more than ``max_tokens`` (fairseq's ``--max-tokens``). Pairs are sorted by size (ties in a
+    random order) before they are packed, so batches carry little padding; the batch order is then shuffled.
+    Every index appears exactly once; the order is a function of ``(seed, epoch)``."""
+    if max_tokens < 1:
+        raise ValueError(f"data.max_tokens must be >= 1, got {max_tokens}")
+    if sizes and max(sizes) > max_tokens:
+        raise ValueError(
+            f"data.max_tokens={max_tokens} is smaller than the longest training pair ({max(sizes)} tokens with "
+            "its special token); raise it, or cut long sentences with memory=truncate"
+        )
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(sizes), generator=g).tolist() if shuffle else list(range(len(sizes)))
+    order.sort(key=lambda i: sizes[i])  # stable: equal sizes keep their random order
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:  # ascending sizes: the newest pair is the batch's largest
+        if current and (len(current) + 1) * sizes[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    if shuffle:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+    return batches
+
+
+def epoch_batches(
+    sizes: list[int], batch_size: int, max_tokens: int | None, shuffle: bool, seed: int = 0, epoch: int = 0
+) -> list[list[int]]:
+    """One epoch's batches: by token budget when ``max_tokens`` is set, else ``batch_size`` pairs each."""
+    if max_tokens:
+        return token_batch_indices(sizes, max_tokens, shuffle, seed, epoch)
+    return batch_indices(sizes, batch_size, shuffle, seed, epoch)
+
+
 @dataclass
-class TruncationStats:
-    sentences: int  # pairs with either side cut
-    src_tokens_cut: int
-    tgt_tokens_cut: int
-    src_tokens: int  # before cutting
+class LengthLimitStats:
+    overlong: str  # what happened to pairs over the limits: "truncate" (cut) or "drop" (removed)
+    pairs: int  # pairs over a limit
+    src_tokens_removed: int
+    tgt_tokens_removed: int
+    src_tokens: int  # before
     tgt_tokens: int
-    total_sentences: int
+    total_pairs: int
 
     def as_dict(self) -> dict:
         return {
-            "sentences_truncated": self.sentences,
-            "sentences_truncated_share": self.sentences / max(1, self.total_sentences),
-            "src_tokens_cut": self.src_tokens_cut,
-            "tgt_tokens_cut": self.tgt_tokens_cut,
-            "tokens_cut_share": (self.src_tokens_cut + self.tgt_tokens_cut) / max(1, self.src_tokens + self.tgt_tokens),
+            "overlong": self.overlong,
+            "pairs_affected": self.pairs,
+            "pairs_affected_share": self.pairs / max(1, self.total_pairs),
+            "src_tokens_removed": self.src_tokens_removed,
+            "tgt_tokens_removed": self.tgt_tokens_removed,
+            "tokens_removed_share": (self.src_tokens_removed + self.tgt_tokens_removed)
+            / max(1, self.src_tokens + self.tgt_tokens),
         }
 
 
-def truncate(split: EncodedSplit, max_src_len: int | None, max_tgt_len: int | None) -> tuple[EncodedSplit, TruncationStats]:
-    """Cut sources to ``max_src_len`` and targets to ``max_tgt_len`` tokens (special tokens not counted)."""
-    for key, value in (("memory.max_src_len", max_src_len), ("memory.max_tgt_len", max_tgt_len)):
-        if value is not None and value < 1:
-            raise ValueError(f"{key} must be >= 1 or null, got {value}")
+def limit_lengths(
+    split: EncodedSplit, max_src_len: int | None, max_tgt_len: int | None, overlong: str = "truncate"
+) -> tuple[EncodedSplit, LengthLimitStats]:
+    """Sources over ``max_src_len`` and targets over ``max_tgt_len`` tokens (special tokens not counted) are cut
+    to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``)."""
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"memory.overlong={overlong}: expected truncate or drop")
     src, tgt = [], []
-    stats = TruncationStats(0, 0, 0, 0, 0, len(split))
+    stats = LengthLimitStats(overlong, 0, 0, 0, 0, 0, len(split))
     for s, t in zip(split.src, split.tgt):
         stats.src_tokens += len(s)
         stats.tgt_tokens += len(t)
         cut_s = len(s) - max_src_len if max_src_len is not None and len(s) > max_src_len else 0
         cut_t = len(t) - max_tgt_len if max_tgt_len is not None and len(t) > max_tgt_len else 0
-        stats.src_tokens_cut += cut_s
-        stats.tgt_tokens_cut += cut_t
-        stats.sentences += bool(cut_s or cut_t)
+        if cut_s or cut_t:
+            stats.pairs += 1
+            if overlong == "drop":
+                stats.src_tokens_removed += len(s)
+                stats.tgt_tokens_removed += len(t)
+                continue
+            stats.src_tokens_removed += cut_s
+            stats.tgt_tokens_removed += cut_t
         src.append(s[: len(s) - cut_s])
         tgt.append(t[: len(t) - cut_t])
     return EncodedSplit(src, tgt), stats

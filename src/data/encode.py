@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..fileio import atomic_path
-from ..tokenizers import Codec, build_codecs, codec_from_state
+from ..tokenizers import Codec, TrimmedCodec, build_codecs, codec_from_state
 from .corpus import Corpus
 
 log = logging.getLogger(__name__)
@@ -92,3 +92,25 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
         for name, (s, t) in raw.items()
     }
     return EncodedCorpus(src_codec, tgt_codec, splits, cache_file, from_cache=False)
+
+
+def trim_vocabulary(encoded: EncodedCorpus) -> EncodedCorpus:
+    """memory=trim_vocab: keep only the ids the training split uses (and the special tokens), renumbered, so the
+    embeddings and the output layer shrink; ids of held-out text outside them become ``<unk>``. A shared
+    vocabulary stays shared (one set of ids from both sides)."""
+
+    def trimmed(codec: Codec, sides: list[list[Tensor]]) -> TrimmedCodec:
+        used = torch.cat([torch.cat(seqs) for seqs in sides if seqs]).unique().tolist()
+        return TrimmedCodec(codec, [*used, codec.bos_id, codec.pad_id, codec.eos_id, codec.unk_id])
+
+    train = encoded.splits["train"]
+    if encoded.src_codec is encoded.tgt_codec:
+        src = tgt = trimmed(encoded.src_codec, [train.src, train.tgt])
+    else:
+        src, tgt = trimmed(encoded.src_codec, [train.src]), trimmed(encoded.tgt_codec, [train.tgt])
+    src_table, tgt_table = torch.tensor(src.lookup_table()), torch.tensor(tgt.lookup_table())
+    splits = {
+        name: EncodedSplit([src_table[s] for s in split.src], [tgt_table[t] for t in split.tgt])
+        for name, split in encoded.splits.items()
+    }
+    return EncodedCorpus(src, tgt, splits, encoded.cache_file, encoded.from_cache)

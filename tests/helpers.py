@@ -1,0 +1,52 @@
+"""Small models, batches and comparisons shared by the training-step tests."""
+
+import torch
+
+from src.data.batching import Batch, collate, pair_sizes, split_batch
+from src.data.encode import EncodedSplit
+from src.memory import MemoryStrategy
+from src.model import ModelArgs, Transformer
+from src.trainer import Trainer, inverse_sqrt_schedule
+
+PAD, BOS, EOS = 1, 0, 2
+
+
+def make_split(n=8, seed=0, vocab=30) -> EncodedSplit:
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 17, 5, 11, 2, 9, 14, 6][:n]  # deliberately uneven
+    src = [torch.randint(4, vocab, (n_,), generator=g) for n_ in lens]
+    tgt = [torch.randint(4, vocab, (max(1, n_ - 1 + i % 3),), generator=g) for i, n_ in enumerate(lens)]
+    return EncodedSplit(src, tgt)
+
+
+def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0):
+    """With plain SGD (the default here) a parameter update is the gradient times lr, so equal updates mean
+    equal gradients; Adam's first step, ``lr * g / |g|``, would amplify rounding noise in near-zero gradients."""
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(src_vocab=30, tgt_vocab=30, pad_id=PAD, d_model=32, n_heads=4, d_ff=64,
+                                  encoder_layers=2, decoder_layers=2, dropout=dropout))
+    if adam:
+        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4))
+    return model, Trainer(model, opt, sched, strategy, torch.device("cpu"), PAD, label_smoothing=0.1, clip_grad_norm=None)
+
+
+def micro_batches(split: EncodedSplit, parts: int) -> list[Batch]:
+    sizes = pair_sizes(split)
+    return [
+        collate([split.src[i] for i in p], [split.tgt[i] for i in p], PAD, BOS, EOS)
+        for p in split_batch(list(range(len(split))), sizes, parts)
+    ]
+
+
+def updates(before: torch.nn.Module, after: torch.nn.Module) -> list[torch.Tensor]:
+    return [pa.detach() - pb.detach() for pa, pb in zip(after.parameters(), before.parameters())]
+
+
+def rel_update_diff(u: list[torch.Tensor], v: list[torch.Tensor]) -> float:
+    """||u - v|| / ||v|| over all parameters together (per tensor, the key-projection biases, whose true
+    gradient is zero because softmax ignores a constant added to every score, would compare rounding noise)."""
+    flat_u, flat_v = torch.cat([a.flatten() for a in u]), torch.cat([b.flatten() for b in v])
+    return ((flat_u - flat_v).norm() / flat_v.norm()).item()
