@@ -116,12 +116,35 @@ def strategy_label(memory: dict, max_tokens: int | None = None) -> str:
     return memory_strategy(memory, max_tokens).label
 
 
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "backward")
+_ACTIVE: list[TensorMemoryTracker] = []  # trackers inside their ``with`` block, innermost last
+
+
+@contextlib.contextmanager
+def region(category: str):
+    """Tag the storages created inside the block with ``category`` when a tracker is active; free otherwise.
+
+    The training step marks its parts: the output projection and loss (``logits``), backward (``backward``:
+    activation gradients and recomputed activations), the optimizer step (``optimizer``); other forward storages
+    are ``activations``. Parameter gradients are re-tagged ``gradients`` once accumulated."""
+    if not _ACTIVE:
+        yield
+        return
+    tracker = _ACTIVE[-1]
+    previous, tracker.category = tracker.category, category
+    try:
+        yield
+    finally:
+        tracker.category = previous
+
+
 class TensorMemoryTracker(TorchDispatchMode):
-    """Live and peak bytes of tensor storages on one device type.
+    """Live and peak bytes of tensor storages on one device type, split by category (``CATEGORIES``).
 
     Every operator's outputs are inspected as they are created; each new storage is counted once and uncounted
     when it is freed (a weak reference's finalizer), so views and in-place results cost nothing. Storages that
-    exist before tracking starts (parameters, gradients, optimizer state) are added with ``track``.
+    exist before tracking starts (parameters, optimizer state) are added with ``track``. The split at the peak
+    is kept in ``peak_by_category``.
     """
 
     def __init__(self, device_type: str = "cpu"):
@@ -129,24 +152,59 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.device_type = device_type
         self.live = 0
         self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.category = "activations"
+        self.live_by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_by_category = dict(self.live_by_category)
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, category]
+        self._hooks: list = []
 
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
 
-    def track(self, *tensors) -> None:
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def _free(self, entry: list) -> None:
+        self.live -= entry[0]
+        self.live_by_category[entry[1]] -= entry[0]
+
+    def track(self, *tensors, category: str | None = None) -> None:
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
             storage = t.untyped_storage()
             if storage in self._seen:
                 continue
-            nbytes = storage.nbytes()
-            self._seen[storage] = nbytes
-            weakref.finalize(storage, self._free, nbytes)
-            self.live += nbytes
+            entry = [storage.nbytes(), category or self.category]
+            self._seen[storage] = entry
+            weakref.finalize(storage, self._free, entry)
+            self.live += entry[0]
+            self.live_by_category[entry[1]] = self.live_by_category.get(entry[1], 0) + entry[0]
             if self.live > self.peak:
                 self.peak = self.live
+                self.peak_by_category = dict(self.live_by_category)
+
+    def retag(self, tensor: torch.Tensor, category: str) -> None:
+        """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
+        entry = self._seen.get(tensor.untyped_storage())
+        if entry is not None and entry[1] != category:
+            self.live_by_category[entry[1]] -= entry[0]
+            self.live_by_category[category] = self.live_by_category.get(category, 0) + entry[0]
+            entry[1] = category
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """Track the model's parameters and buffers, and tag each gradient ``gradients`` once accumulated."""
+        self.track(list(model.parameters()), list(model.buffers()), category="parameters")
+        for p in model.parameters():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p: self.retag(p.grad, "gradients")))
+
+    def unwatch(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -155,6 +213,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_by_category = dict(self.live_by_category)
 
 
 class PeakMemory:
@@ -167,14 +226,15 @@ class PeakMemory:
         self.tracker = TensorMemoryTracker(device.type) if device.type != "cuda" and track_cpu else None
         self.run_peak = 0
         self.run_reserved = 0
+        self.run_peak_by_category: dict[str, int] = {}
 
     @property
     def available(self) -> bool:
         return self.device.type == "cuda" or self.tracker is not None
 
-    def track_state(self, *tensors) -> None:
+    def watch(self, model: torch.nn.Module) -> None:
         if self.tracker is not None:
-            self.tracker.track(*tensors)
+            self.tracker.watch(model)
 
     def measure(self):
         """Context for the code whose memory is measured (a training step)."""
@@ -188,6 +248,8 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.tracker is not None:
             peak = self.tracker.peak
+            if peak > self.run_peak:
+                self.run_peak_by_category = dict(self.tracker.peak_by_category)
             self.tracker.reset_peak()
         else:
             return None
@@ -202,6 +264,12 @@ class PeakMemory:
 
     def run_peak_mb(self) -> float | None:
         return self.run_peak / 2**20 if self.available else None
+
+    def run_peak_split_mb(self) -> dict[str, float] | None:
+        """Bytes by category at the run's peak (CPU tracker only), in MiB."""
+        if not self.run_peak_by_category:
+            return None
+        return {k: round(v / 2**20, 1) for k, v in self.run_peak_by_category.items()}
 
     def run_reserved_mb(self) -> float | None:
         return self.run_reserved / 2**20 if self.device.type == "cuda" else None

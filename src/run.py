@@ -214,7 +214,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     )
 
     peak = PeakMemory(device, track_cpu=tr.get("track_memory", True))
-    peak.track_state(list(model.parameters()))
+    peak.watch(model)
 
     def autocast():
         return strategy.autocast(device)
@@ -320,6 +320,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "padding_ratio": round(window.padding_ratio(total=True), 4),
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "peak_memory_mb": _round(peak.run_peak_mb()),
+        "peak_memory_split_mb": peak.run_peak_split_mb(),
         "peak_reserved_mb": _round(peak.run_reserved_mb()),
         "best_step": best_step,
         "valid_bleu": valid_scores.get("bleu"),

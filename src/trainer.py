@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .data.batching import Batch
-from .memory import MemoryStrategy
+from .memory import MemoryStrategy, region
 from .model import Transformer
 
 
@@ -35,7 +35,8 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: fl
 
 
 def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float):
-    return label_smoothed_loss(generator(hidden), target, pad_id, epsilon)
+    with region("logits"):
+        return label_smoothed_loss(generator(hidden), target, pad_id, epsilon)
 
 
 def chunked_loss(
@@ -65,7 +66,7 @@ def batch_loss(
     hidden = model.hidden(batch.src, batch.tgt_in)
     if loss_chunk:
         return chunked_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon, loss_chunk)
-    return label_smoothed_loss(model.generator(hidden), batch.tgt_out, pad_id, epsilon)
+    return _projected_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon)
 
 
 def inverse_sqrt_schedule(warmup_steps: int):
@@ -126,19 +127,21 @@ class Trainer:
             batch = batch.to(self.device)
             with self.strategy.autocast(self.device):
                 loss_sum, nll_sum = batch_loss(model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk)
-            scaler.scale(loss_sum / n_tokens).backward()
+            with region("backward"):
+                scaler.scale(loss_sum / n_tokens).backward()
             loss_total += loss_sum.detach()
             nll_total += nll_sum.detach()
-        scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-        if self.clip_grad_norm:
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-        else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-            )
-        scale_before = scaler.get_scale() if scaler.is_enabled() else None
-        scaler.step(opt)
-        scaler.update()
+        with region("optimizer"):
+            scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+            if self.clip_grad_norm:
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            else:
+                grad_norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+                )
+            scale_before = scaler.get_scale() if scaler.is_enabled() else None
+            scaler.step(opt)
+            scaler.update()
         skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
         opt.zero_grad(set_to_none=True)
         if not skipped:  # the schedule counts the optimizer steps actually taken

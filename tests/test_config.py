@@ -23,7 +23,7 @@ def test_groups_have_the_options_the_project_promises():
     assert set(options("model")) >= {"tiny", "small", "base", "big"}
     assert set(options("tokenizer")) == {"spacy", "xlmr"}
     assert set(options("data")) == {"synthetic", "multi30k", "files"}
-    assert set(options("memory")) >= {"none", "accum", "amp", "truncate"}
+    assert set(options("memory")) == {"none", "accum", "amp", "truncate", "tokens", "checkpoint", "chunked_ce", "trim_vocab"}
     assert set(options("logger")) == {"none", "wandb"}
 
 
@@ -62,11 +62,16 @@ def test_optim_is_adam_with_the_papers_settings():
         ("memory=[amp,accum]", "amp+accum"),
         ("memory=[accum,amp]", "amp+accum"),
         ("memory=[amp,accum,truncate]", "amp+accum+truncate"),
+        ("memory=tokens", "tokens"),
+        ("memory=checkpoint", "checkpoint"),
+        ("memory=chunked_ce", "chunked_ce"),
+        ("memory=trim_vocab", "trim_vocab"),
+        ("memory=[chunked_ce,tokens,checkpoint,amp]", "amp+tokens+checkpoint+chunked_ce"),
     ],
 )
 def test_strategies_compose_and_label_is_derived(override, label):
     cfg = compose_config(override, run_dir=Path("/tmp/x"))
-    assert strategy_label(OmegaConf.to_container(cfg.memory)) == label
+    assert strategy_label(OmegaConf.to_container(cfg.memory), cfg.data.max_tokens) == label
 
 
 def test_label_follows_values_not_file_names():
@@ -83,6 +88,9 @@ def test_label_follows_values_not_file_names():
         ({"accum_steps": 0}, "memory.accum_steps=0"),
         ({"max_src_len": 0}, "memory.max_src_len=0"),
         ({"accum": 4}, "unexpected keyword argument 'accum'"),
+        ({"overlong": "wrap"}, "memory.overlong=wrap"),
+        ({"loss_chunk": 0}, "memory.loss_chunk=0"),
+        ({"checkpoint": "yes"}, "memory.checkpoint=yes"),
     ],
 )
 def test_bad_memory_settings_name_the_key(memory, message):

@@ -2,7 +2,7 @@
 
 import torch
 
-from src.memory import MemoryStrategy, PeakMemory, TensorMemoryTracker
+from src.memory import CATEGORIES, MemoryStrategy, PeakMemory, TensorMemoryTracker
 
 
 def test_tracker_counts_live_storages_exactly():
@@ -26,7 +26,7 @@ def test_tracker_counts_live_storages_exactly():
 def test_tracker_sees_backward_and_state_added_by_hand():
     layer = torch.nn.Linear(512, 512, bias=False)  # 1 MiB of weights
     peak = PeakMemory(torch.device("cpu"))
-    peak.track_state(list(layer.parameters()))
+    peak.watch(layer)
     x = torch.randn(1024, 512, requires_grad=False)  # created outside: not counted
     with peak.measure():
         y = layer(x)  # 2 MiB output
@@ -62,3 +62,26 @@ def test_peak_rss_is_per_run_where_linux_allows():
     del big
     reset_peak_rss()
     assert peak_rss_mb() < before - 32
+
+
+def test_peak_is_split_into_categories_that_add_up():
+    from .helpers import make_split, micro_batches, model_and_trainer
+
+    model, trainer = model_and_trainer(MemoryStrategy(), dropout=0.1, adam=True, lr=1e-3)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    tracker = TensorMemoryTracker()
+    tracker.watch(model)
+    batches = micro_batches(make_split(), 1)
+    with tracker:
+        trainer.step(batches)  # creates Adam's state
+        tracker.reset_peak()
+        trainer.step(batches)
+    tracker.unwatch()
+    split = tracker.peak_by_category
+    assert set(split) == set(CATEGORIES) and sum(split.values()) == tracker.peak
+    assert split["parameters"] == param_bytes + buffer_bytes
+    n_tensors = len(list(model.parameters()))
+    assert split["optimizer"] == 2 * param_bytes + 4 * n_tensors  # exp_avg, exp_avg_sq, and a float step each
+    assert split["logits"] > 0 and split["activations"] > 0 and split["backward"] > 0
+    assert tracker.live_by_category["gradients"] == 0  # zero_grad(set_to_none=True) freed them
