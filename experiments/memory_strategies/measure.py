@@ -1,0 +1,210 @@
+"""What each memory strategy saves and costs, measured on one fixed batch for model=base.
+
+    python experiments/memory_strategies/measure.py [--root ../shared/data/multi30k] [--device cpu|cuda]
+
+For each configuration: one optimizer step to create Adam's state, one tracked step whose peak tensor memory is
+split into parameters, gradients, optimizer state, activations, logits and backward temporaries (src/memory.py),
+and one untracked step that is timed. On CUDA the allocator's max allocated and reserved are recorded too.
+Writes results.json, results.md and memory.png next to this file (or into --out).
+
+The batch: 128 pairs drawn with a fixed seed from Multi30k's training split (de->en, spaCy words, min_freq 2), so
+their lengths are realistic. Rows marked "XLM-R-size vocabulary" use a 250,002-entry shared vocabulary (XLM-R's
+size) on the first 32 of those pairs: the memory of a step depends on shapes, not on which ids are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from src.data.batching import collate, limit_lengths, pair_sizes, split_batch, token_batch_indices  # noqa: E402
+from src.data.corpus import load_multi30k  # noqa: E402
+from src.data.encode import EncodedSplit, encode_corpus  # noqa: E402
+from src.memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker  # noqa: E402
+from src.model import ModelArgs, Transformer  # noqa: E402
+from src.tokenizers import PAD  # noqa: E402
+from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
+
+XLMR_VOCAB = 250_002
+
+
+def conf(path: str) -> dict:
+    import yaml  # PyYAML: a dependency of hydra-core and of transformers, so present on GPU machines too
+
+    return yaml.safe_load((ROOT / "conf" / path).read_text()) or {}
+
+
+def strategy(*names: str) -> MemoryStrategy:
+    """The strategy that ``memory=[names]`` gives, read from the files in conf/memory/."""
+    settings: dict = {}
+    for name in names:
+        settings |= conf(f"memory/{name}.yaml")
+    return MemoryStrategy(**settings)
+
+
+SPACY_CONFIGS = ["none", "amp", "accum", "truncate", "tokens", "checkpoint", "chunked_ce", "amp+accum",
+                 "amp+checkpoint", "accum+checkpoint", "amp+checkpoint+chunked_ce"]
+XLMR_CONFIGS = ["none", "chunked_ce", "amp+chunked_ce", "amp+checkpoint+chunked_ce"]
+
+
+def base_args() -> dict:
+    return {k: v for k, v in conf("model/base.yaml").items() if k != "name"}
+
+
+def fixed_batch(root: str, cache_dir: Path, n: int = 128, seed: int = 0):
+    corpus = load_multi30k("de", "en", root, cache_dir)
+    encoded = encode_corpus(corpus, {"name": "spacy", "min_freq": 2, "max_vocab": None, "lowercase": False, "models": {}}, cache_dir)
+    train = encoded.splits["train"]
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(len(train), generator=g)[:n].tolist()
+    return encoded, train, idx
+
+
+def micro_batches(split: EncodedSplit, idx: list[int], accum: int):
+    sizes = pair_sizes(split)
+    return [
+        collate([split.src[i] for i in part], [split.tgt[i] for i in part], PAD, 0, 2)
+        for part in split_batch(idx, sizes, accum)
+    ]
+
+
+def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, split, idx, device) -> dict:
+    torch.manual_seed(0)
+    shared = vocab == "xlmr-size"
+    args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
+    model = Transformer(args).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda" or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4000))
+    trainer = Trainer(model, opt, sched, strategy, device, PAD, 0.1, 1.0)
+    if strategy.truncates:
+        split, _ = limit_lengths(split, strategy.max_src_len, strategy.max_tgt_len)
+    batches = micro_batches(split, idx, strategy.accum_steps)
+    real = sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+    padded = sum(b.n_padded for b in batches)
+
+    trainer.step(batches)  # Adam's moments now exist, as in every later step
+    tracker = TensorMemoryTracker(device.type)
+    tracker.watch(model)
+    tracker.track([v for state in opt.state.values() for v in state.values()], category="optimizer")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        trainer.step(batches)
+    tracker.unwatch()
+    row = {
+        "config": label,
+        "vocabulary": vocab,
+        "pairs": len(idx),
+        "micro_batches": len(batches),
+        "real_tokens": real,
+        "padding_ratio": round(1 - real / padded, 3),
+        "parameters": model.num_parameters(),
+        "peak_mb": round(tracker.peak / 2**20, 1),
+        **{f"{k}_mb": round(tracker.peak_by_category.get(k, 0) / 2**20, 1) for k in CATEGORIES},
+    }
+    if device.type == "cuda":
+        row["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        row["cuda_max_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer.step(batches)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    row["step_s"] = round(time.perf_counter() - start, 3)
+    row["tokens_per_s"] = round(real / row["step_s"])
+    del model, opt, trainer
+    return row
+
+
+def write_table(rows: list[dict], path: Path, header: str) -> None:
+    cols = ["config", "vocabulary", "pairs", "peak_mb", *[f"{k}_mb" for k in CATEGORIES], "step_s", "tokens_per_s",
+            "padding_ratio"]
+    if any("cuda_max_allocated_mb" in r for r in rows):
+        cols[4:4] = ["cuda_max_allocated_mb", "cuda_max_reserved_mb"]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 6))
+    names = [f"{r['config']}\n({r['vocabulary']})" for r in rows]
+    bottom = [0.0] * len(rows)
+    for cat in CATEGORIES:
+        values = [r[f"{cat}_mb"] for r in rows]
+        ax.bar(names, values, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, r in enumerate(rows):
+        ax.text(i, bottom[i], f"{r['step_s']:.1f}s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("peak tensor memory (MiB), split at the peak")
+    ax.set_title(title + " (labels: step time)")
+    ax.legend()
+    plt.xticks(rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--root", default=os.environ.get("MULTI30K_ROOT", str(ROOT.parent / "shared/data/multi30k")))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=str(Path(__file__).parent))
+    p.add_argument("--only", nargs="*", help="run only these config labels")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    encoded, train, idx = fixed_batch(args.root, ROOT / ".cache")
+    sizes = pair_sizes(train)
+    real_tgt = sum(len(train.tgt[i]) + 1 for i in idx)
+    rows = []
+    configs = [(c, "spacy") for c in SPACY_CONFIGS] + [(c, "xlmr-size") for c in XLMR_CONFIGS]
+    for label, vocab in configs:
+        if args.only and label not in args.only:
+            continue
+        batch_idx = idx if vocab == "spacy" else idx[:32]
+        if label == "tokens":
+            # a budget holding about as many target tokens as the fixed batch; its most padded batch
+            budget = real_tgt
+            chosen = MemoryStrategy(max_tokens=budget)
+            candidates = token_batch_indices(sizes, budget, shuffle=True, seed=0)
+            batch_idx = max(candidates, key=lambda b: len(b) * max(sizes[i] for i in b))
+            label = f"tokens ({budget})"
+        else:
+            chosen = strategy(*label.split("+"))
+        src_v, tgt_v = (len(encoded.src_codec), len(encoded.tgt_codec)) if vocab == "spacy" else (XLMR_VOCAB, XLMR_VOCAB)
+        row = measure(label, chosen, vocab, src_v, tgt_v, train, batch_idx, device)
+        row["strategy"] = asdict(chosen)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "strategy"}), flush=True)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    header = (f"model=base, {device.type} ({machine}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+              f"command: python experiments/memory_strategies/measure.py --device {device.type}")
+    suffix = "" if device.type == "cpu" else f"_{device.type}"
+    (out / f"results{suffix}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
+    write_table(rows, out / f"results{suffix}.md", header)
+    try:
+        plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
