@@ -155,7 +155,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.text(i, bottom[i], f"{r['step_s']:.1f}s", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("peak tensor memory (MiB), split at the peak")
     ax.set_title(title + " (labels: step time)")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     plt.xticks(rotation=60, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -167,10 +167,16 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(Path(__file__).parent))
     p.add_argument("--only", nargs="*", help="run only these config labels")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plot from an earlier results file")
     args = p.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if device.type == "cpu" else f"_{device.type}"
+    if args.plot_only:
+        rows = json.loads((out / f"results{suffix}.json").read_text())["rows"]
+        plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
+        return
     encoded, train, idx = fixed_batch(args.root, ROOT / ".cache")
     sizes = pair_sizes(train)
     real_tgt = sum(len(train.tgt[i]) + 1 for i in idx)
@@ -197,7 +203,6 @@ def main() -> None:
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     header = (f"model=base, {device.type} ({machine}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
               f"command: python experiments/memory_strategies/measure.py --device {device.type}")
-    suffix = "" if device.type == "cpu" else f"_{device.type}"
     (out / f"results{suffix}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
     write_table(rows, out / f"results{suffix}.md", header)
     try:
