@@ -84,7 +84,7 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, split,
     shared = vocab == "xlmr-size"
     args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
     model = Transformer(args).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda" or None)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type in ("cuda", "cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4000))
     trainer = Trainer(model, opt, sched, strategy, device, PAD, 0.1, 1.0)
     if strategy.truncates:
