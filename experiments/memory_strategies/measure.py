@@ -4,7 +4,8 @@
 
 For each configuration: one optimizer step to create Adam's state, one tracked step whose peak tensor memory is
 split into parameters, gradients, optimizer state, activations, logits and backward temporaries (src/memory.py),
-and one untracked step that is timed. On CUDA the allocator's max allocated and reserved are recorded too.
+and three untracked steps whose median time is reported. On CUDA the allocator's max allocated and reserved are
+recorded too.
 Writes results.json, results.md and memory.png next to this file (or into --out).
 
 The batch: 128 pairs drawn with a fixed seed from Multi30k's training split (de->en, spaCy words, min_freq 2), so
@@ -118,11 +119,15 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, split,
         row["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         row["cuda_max_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    trainer.step(batches)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    row["step_s"] = round(time.perf_counter() - start, 3)
+    times = []
+    for _ in range(3):  # the median of three untracked steps
+        start = time.perf_counter()
+        trainer.step(batches)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    row["step_s"] = round(sorted(times)[1], 3)
+    row["step_s_min_max"] = [round(min(times), 3), round(max(times), 3)]
     row["tokens_per_s"] = round(real / row["step_s"])
     del model, opt, trainer
     return row
