@@ -10,7 +10,8 @@ Writes results.json, results.md and memory.png next to this file (or into --out)
 
 The batch: 128 pairs drawn with a fixed seed from Multi30k's training split (de->en, spaCy words, min_freq 2), so
 their lengths are realistic. Rows marked "XLM-R-size vocabulary" use a 250,002-entry shared vocabulary (XLM-R's
-size) on the first 32 of those pairs: the memory of a step depends on shapes, not on which ids are used.
+size) on the first 32 of those pairs: the memory of a step depends on shapes, not on which ids are used. With
+--xlmr, the same 32 pairs are also encoded by the real XLM-R tokenizer, with and without trim_vocab.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from src.data.batching import collate, limit_lengths, pair_sizes, split_batch, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
-from src.data.encode import EncodedSplit, encode_corpus  # noqa: E402
+from src.data.encode import EncodedSplit, encode_corpus, trim_vocabulary  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import PAD  # noqa: E402
@@ -63,13 +64,12 @@ def base_args() -> dict:
     return {k: v for k, v in conf("model/base.yaml").items() if k != "name"}
 
 
-def fixed_batch(root: str, cache_dir: Path, n: int = 128, seed: int = 0):
-    corpus = load_multi30k("de", "en", root, cache_dir)
-    encoded = encode_corpus(corpus, {"name": "spacy", "min_freq": 2, "max_vocab": None, "lowercase": False, "models": {}}, cache_dir)
-    train = encoded.splits["train"]
+SPACY = {"name": "spacy", "min_freq": 2, "max_vocab": None, "lowercase": False, "models": {}}
+
+
+def fixed_batch(corpus, n: int = 128, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randperm(len(train), generator=g)[:n].tolist()
-    return encoded, train, idx
+    return torch.randperm(len(corpus.train), generator=g)[:n].tolist()
 
 
 def micro_batches(split: EncodedSplit, idx: list[int], accum: int):
@@ -80,9 +80,8 @@ def micro_batches(split: EncodedSplit, idx: list[int], accum: int):
     ]
 
 
-def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, split, idx, device) -> dict:
+def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared, split, idx, device) -> dict:
     torch.manual_seed(0)
-    shared = vocab == "xlmr-size"
     args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
     model = Transformer(args).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type in ("cuda", "cpu"))
@@ -173,6 +172,8 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent))
     p.add_argument("--only", nargs="*", help="run only these config labels")
     p.add_argument("--plot-only", action="store_true", help="redraw the plot from an earlier results file")
+    p.add_argument("--xlmr", help="the real XLM-R tokenizer (hub name or save_pretrained directory): adds rows with "
+                                  "its ids, and trim_vocab")
     args = p.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
@@ -182,26 +183,42 @@ def main() -> None:
         rows = json.loads((out / f"results{suffix}.json").read_text())["rows"]
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
         return
-    encoded, train, idx = fixed_batch(args.root, ROOT / ".cache")
+    cache = ROOT / ".cache"
+    corpus = load_multi30k("de", "en", args.root, cache)
+    encoded = encode_corpus(corpus, SPACY, cache)
+    train = encoded.splits["train"]
+    idx = fixed_batch(corpus)
     sizes = pair_sizes(train)
     real_tgt = sum(len(train.tgt[i]) + 1 for i in idx)
-    rows = []
-    configs = [(c, "spacy") for c in SPACY_CONFIGS] + [(c, "xlmr-size") for c in XLMR_CONFIGS]
-    for label, vocab in configs:
-        if args.only and label not in args.only:
-            continue
-        batch_idx = idx if vocab == "spacy" else idx[:32]
+
+    # (label, vocabulary, strategy, split, pair indices, source vocabulary, target vocabulary, shared)
+    jobs = []
+    for label in SPACY_CONFIGS:
         if label == "tokens":
             # a budget holding about as many target tokens as the fixed batch; its most padded batch
             budget = real_tgt
-            chosen = MemoryStrategy(max_tokens=budget)
             candidates = token_batch_indices(sizes, budget, shuffle=True, seed=0)
-            batch_idx = max(candidates, key=lambda b: len(b) * max(sizes[i] for i in b))
-            label = f"tokens ({budget})"
+            worst = max(candidates, key=lambda b: len(b) * max(sizes[i] for i in b))
+            jobs.append((f"tokens ({budget})", "spacy", MemoryStrategy(max_tokens=budget), train, worst,
+                         len(encoded.src_codec), len(encoded.tgt_codec), False))
         else:
-            chosen = strategy(*label.split("+"))
-        src_v, tgt_v = (len(encoded.src_codec), len(encoded.tgt_codec)) if vocab == "spacy" else (XLMR_VOCAB, XLMR_VOCAB)
-        row = measure(label, chosen, vocab, src_v, tgt_v, train, batch_idx, device)
+            jobs.append((label, "spacy", strategy(*label.split("+")), train, idx,
+                         len(encoded.src_codec), len(encoded.tgt_codec), False))
+    for label in XLMR_CONFIGS:
+        jobs.append((label, "xlmr-size", strategy(*label.split("+")), train, idx[:32], XLMR_VOCAB, XLMR_VOCAB, True))
+    if args.xlmr:  # the real XLM-R tokenizer: its ids, and trim_vocab
+        full = encode_corpus(corpus, {"name": "xlmr", "name_or_path": args.xlmr}, cache)
+        trimmed = trim_vocabulary(full)
+        for label in ("none", "chunked_ce", "trim_vocab", "trim_vocab+chunked_ce"):
+            enc = trimmed if "trim_vocab" in label else full
+            v = len(enc.src_codec)
+            jobs.append((label, "xlmr", strategy(*label.split("+")), enc.splits["train"], idx[:32], v, v, True))
+
+    rows = []
+    for label, vocab, chosen, split, batch_idx, src_v, tgt_v, shared in jobs:
+        if args.only and label not in args.only:
+            continue
+        row = measure(label, chosen, vocab, src_v, tgt_v, shared, split, batch_idx, device)
         row["strategy"] = asdict(chosen)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "strategy"}), flush=True)
