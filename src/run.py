@@ -20,7 +20,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data.batching import collate, epoch_batches, limit_lengths, pair_sizes, split_batch
+from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
@@ -277,11 +277,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
 
     while True:
         for indices in batches(epoch):
-            micro = [
-                collate([train_split.src[i] for i in part], [train_split.tgt[i] for i in part],
-                        tgt_codec.pad_id, tgt_codec.bos_id, tgt_codec.eos_id)
-                for part in split_batch(indices, sizes, strategy.accum_steps)
-            ]
+            micro = micro_batches(train_split, indices, sizes, strategy.accum_steps, tgt_codec.pad_id,
+                                  tgt_codec.bos_id, tgt_codec.eos_id)
             window.resume()
             with peak.measure():
                 stats = trainer.step(micro)

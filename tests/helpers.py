@@ -2,7 +2,8 @@
 
 import torch
 
-from src.data.batching import Batch, collate, pair_sizes, split_batch
+from src.data import batching
+from src.data.batching import Batch, pair_sizes
 from src.data.encode import EncodedSplit
 from src.memory import MemoryStrategy
 from src.model import ModelArgs, Transformer
@@ -34,11 +35,8 @@ def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False,
 
 
 def micro_batches(split: EncodedSplit, parts: int) -> list[Batch]:
-    sizes = pair_sizes(split)
-    return [
-        collate([split.src[i] for i in p], [split.tgt[i] for i in p], PAD, BOS, EOS)
-        for p in split_batch(list(range(len(split))), sizes, parts)
-    ]
+    """The whole split as one batch of ``parts`` micro-batches."""
+    return batching.micro_batches(split, list(range(len(split))), pair_sizes(split), parts, PAD, BOS, EOS)
 
 
 def updates(before: torch.nn.Module, after: torch.nn.Module) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from src.data.batching import Batch
 from src.data.corpus import load_synthetic
 from src.data.encode import encode_corpus, trim_vocabulary
 from src.data.synthetic import LengthDistribution
@@ -69,8 +70,6 @@ def peak_bytes(strategy: MemoryStrategy, vocab: int, layers: int, length: int = 
     model.checkpoint_layers = strategy.checkpoint
     src = torch.randint(4, vocab, (batch, length))
     tgt = torch.randint(4, vocab, (batch, length))
-    from src.data.batching import Batch
-
     b = Batch(src, tgt, tgt, src.numel(), tgt.numel())
     tracker = TensorMemoryTracker()
     tracker.track(list(model.parameters()))

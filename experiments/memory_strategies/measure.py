@@ -30,12 +30,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from src.data.batching import collate, limit_lengths, pair_sizes, split_batch, token_batch_indices  # noqa: E402
+from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
-from src.data.encode import EncodedSplit, encode_corpus, trim_vocabulary  # noqa: E402
+from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
-from src.tokenizers import PAD  # noqa: E402
+from src.tokenizers import BOS, EOS, PAD  # noqa: E402
 from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
 
 XLMR_VOCAB = 250_002
@@ -72,14 +72,6 @@ def fixed_batch(corpus, n: int = 128, seed: int = 0) -> list[int]:
     return torch.randperm(len(corpus.train), generator=g)[:n].tolist()
 
 
-def micro_batches(split: EncodedSplit, idx: list[int], accum: int):
-    sizes = pair_sizes(split)
-    return [
-        collate([split.src[i] for i in part], [split.tgt[i] for i in part], PAD, 0, 2)
-        for part in split_batch(idx, sizes, accum)
-    ]
-
-
 def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared, split, idx, device) -> dict:
     torch.manual_seed(0)
     args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
@@ -89,7 +81,7 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
     trainer = Trainer(model, opt, sched, strategy, device, PAD, 0.1, 1.0)
     if strategy.truncates:
         split, _ = limit_lengths(split, strategy.max_src_len, strategy.max_tgt_len)
-    batches = micro_batches(split, idx, strategy.accum_steps)
+    batches = micro_batches(split, idx, pair_sizes(split), strategy.accum_steps, PAD, BOS, EOS)
     real = sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
     padded = sum(b.n_padded for b in batches)
 

@@ -143,6 +143,15 @@ def epoch_batches(
     return batch_indices(sizes, batch_size, shuffle, seed, epoch)
 
 
+def micro_batches(split: EncodedSplit, indices: list[int], sizes: list[int], parts: int, pad_id: int, bos_id: int,
+                  eos_id: int) -> list[Batch]:
+    """One optimizer step's batch as ``parts`` padded micro-batches of neighbouring lengths (``split_batch``)."""
+    return [
+        collate([split.src[i] for i in part], [split.tgt[i] for i in part], pad_id, bos_id, eos_id)
+        for part in split_batch(indices, sizes, parts)
+    ]
+
+
 @dataclass
 class LengthLimitStats:
     overlong: str  # what happened to pairs over the limits: "truncate" (cut) or "drop" (removed)

@@ -78,19 +78,19 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
 
     train = corpus.train
     src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
-    raw = {name: (src_codec.encode(s.src), tgt_codec.encode(s.tgt)) for name, s in corpus.splits.items()}
+    packed = {
+        name: {"src": _pack(src_codec.encode(s.src)), "tgt": _pack(tgt_codec.encode(s.tgt))}
+        for name, s in corpus.splits.items()
+    }
     if cache_file is not None:
         blob = {
             "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
-            "splits": {name: {"src": _pack(s), "tgt": _pack(t)} for name, (s, t) in raw.items()},
+            "splits": packed,
         }
         with atomic_path(cache_file) as tmp:
             torch.save(blob, tmp)
         log.info("cached encoded corpus in %s", cache_file)
-    splits = {
-        name: EncodedSplit([torch.tensor(x, dtype=torch.int64) for x in s], [torch.tensor(x, dtype=torch.int64) for x in t])
-        for name, (s, t) in raw.items()
-    }
+    splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in packed.items()}
     return EncodedCorpus(src_codec, tgt_codec, splits, cache_file, from_cache=False)
 
 
