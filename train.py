@@ -1,27 +1,46 @@
 """Train and evaluate a Transformer translation model: `python train.py [group=option ...] [key=value ...]`.
 
 A sweep: `python train.py -m memory=none,amp,accum`. See README.md and conf/train.yaml.
+
+In a sweep, a job that fails (a bad setting, an error, out of memory) is recorded as failed in its summary.json
+and W&B run, and the next job starts; the sweep exits with status 1 at the end only with `fail_on_error=true`.
+A single run that fails exits with status 1.
 """
 
 import logging
+import math
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src.errors import UserError
 from src.run import train
 
 log = logging.getLogger("train")
+failed_jobs: list[tuple[str, bool]] = []  # this process's failed sweep jobs: (what failed, fail_on_error)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> float:
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         summary = train(cfg)
-    except UserError as e:
-        log.error("error: %s", e)  # one line naming the key, file or line; summary.json records it too
-        sys.exit(1)
+    except Exception as e:  # summary.json and the W&B run already record it
+        if isinstance(e, UserError):
+            log.error("error: %s", e)  # one line naming the key, file or line
+        if not multirun:
+            if isinstance(e, UserError):
+                sys.exit(1)
+            raise
+        if not isinstance(e, UserError):
+            log.error("job failed", exc_info=e)
+        reason = str(e).splitlines()[0] if str(e) else ""
+        job = f"job {HydraConfig.get().job.num} ({cfg.paths.output_dir}): {type(e).__name__}: {reason}"
+        failed_jobs.append((job, bool(cfg.get("fail_on_error"))))
+        return math.nan  # a failed trial, to a sweeper that optimizes the returned value
     print(f"[{summary['strategy']}] test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}), "
           f"{summary['tokens_per_s']:.0f} tokens/s, peak memory {summary['peak_memory_mb']} MB -> {cfg.paths.output_dir}")
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
@@ -29,3 +48,7 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     main()
+    if failed_jobs:
+        print(f"{len(failed_jobs)} sweep job(s) failed:", *(job for job, _ in failed_jobs), sep="\n  ", file=sys.stderr)
+        if any(strict for _, strict in failed_jobs):
+            sys.exit(1)

@@ -1,7 +1,14 @@
 """Where a run's figures go: ``metrics.jsonl`` in the run directory always, and W&B when ``logger=wandb``.
 
-W&B is imported only when used, works offline (``mode: offline``, no account) and is always finished, with a
-non-zero exit code when the run failed, so a sweep's dashboard shows which runs broke.
+W&B, done the way its users expect: one run per job, grouped by sweep (the multirun directory, or ``sweep_name``),
+``job_type=train``, named by the strategy label and the job's overrides, tagged from config, with the fully
+resolved config as plain data. ``define_metric`` makes the run summaries the best validation BLEU (max), the peak
+memory (max) and the throughput (mean); every row is logged at its optimizer step; sample translations are logged
+as a table at each validation. The run is always finished, with a non-zero exit code and the reason in its summary
+when it failed (out-of-memory included), so a sweep's dashboard shows which runs broke and why.
+
+W&B is imported only when used. Its mode (online | offline | disabled) comes from ``logger.wandb.mode`` or the
+``WANDB_MODE`` environment variable, which wins; the API key is left to ``wandb login`` and never passed or written.
 """
 
 from __future__ import annotations
@@ -14,6 +21,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone.
+METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max", "tokens_per_s": "mean"}
+SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
+
 
 def _clean(value):
     """JSON has no NaN or infinity: write them as null."""
@@ -22,32 +33,62 @@ def _clean(value):
     return value
 
 
+def hydra_job() -> dict:
+    """What Hydra says about the job this process runs: its overrides and, in a multirun, the sweep directory
+    and job number. Empty outside Hydra (``train(cfg)`` called from Python)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return {}
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    return {
+        "overrides": list(hc.overrides.task),
+        "sweep_dir": str(hc.sweep.dir) if multirun else None,
+        "job_num": hc.job.num if multirun else None,
+    }
+
+
+def run_name(label: str, overrides: list[str]) -> str:
+    """The strategy label plus the job's overrides that say what else differs (``amp model=small``); the memory
+    overrides are the label already, and output paths say nothing about the run."""
+    skip = ("memory=", "memory.", "+memory", "hydra.", "paths.", "logger", "sweep_name=")
+    return " ".join([label, *(o for o in overrides if not o.lstrip("~+").startswith(skip))])
+
+
 class RunLogger:
-    def __init__(self, run_dir: Path, wandb_settings: dict | None = None, config: dict | None = None, name: str | None = None):
+    def __init__(self, run_dir: Path, wandb_settings: dict | None = None, config: dict | None = None,
+                 name: str | None = None, group: str | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
         self.wandb = None
+        self.num_samples = 0
         if wandb_settings:
-            self.wandb = self._start_wandb(wandb_settings, config or {}, name, Path(run_dir))
+            self.num_samples = int(wandb_settings.get("samples") or 0)
+            self.wandb = self._start_wandb(wandb_settings, config or {}, name, group, Path(run_dir))
 
     @staticmethod
-    def _start_wandb(settings: dict, config: dict, name: str | None, run_dir: Path):
+    def _start_wandb(settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path):
         import wandb  # imported here: runs without logger=wandb do not need it
 
         mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
-        return wandb.init(
+        run = wandb.init(
             project=settings.get("project"),
             entity=settings.get("entity"),
-            group=settings.get("group"),
+            group=group,
             tags=list(settings.get("tags") or []),
             name=name,
             job_type="train",
             mode=mode,
             dir=str(run_dir),
             config=config,
-            reinit="finish_previous",
+            reinit="finish_previous",  # a sweep's jobs share a process: each gets its own run
         )
+        for key, summary in METRIC_SUMMARIES.items():
+            run.define_metric(key, summary=summary)
+        return run
 
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -56,9 +97,27 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
+    def log_samples(self, step: int, sources: list[str], references: list[str], hypotheses: list[str]) -> None:
+        """The first ``logger.wandb.samples`` validation translations, as a W&B table (nothing without W&B)."""
+        if self.wandb is None or not self.num_samples:
+            return
+        import wandb
+
+        rows = [[step, s, r, h] for s, r, h in list(zip(sources, references, hypotheses))[: self.num_samples]]
+        self.wandb.log({"valid_samples": wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+
     def finish(self, summary: dict) -> None:
         self._file.close()
         if self.wandb is not None:
-            self.wandb.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str)) or v is None})
+            final = {k: v for k, v in summary.items() if k not in METRIC_SUMMARIES and _jsonable(v)}
+            self.wandb.summary.update(final)
             self.wandb.finish(exit_code=0 if summary.get("status") == "completed" else 1)
             self.wandb = None
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -27,7 +27,7 @@ from .data.synthetic import LengthDistribution
 from .errors import ConfigError, DataError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
-from .loggers import RunLogger
+from .loggers import RunLogger, hydra_job, run_name
 from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
 from .tokenizers import save_codecs
@@ -116,7 +116,8 @@ def train(cfg: DictConfig) -> dict:
     reset_peak_rss()
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"status": "failed"}
+    job = hydra_job()
+    summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
     logger: RunLogger | None = None
     try:
         try:
@@ -128,11 +129,15 @@ def train(cfg: DictConfig) -> dict:
         OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
-        logger = RunLogger(run_dir, conf["logger"].get("wandb"), conf, name=strategy.label)
+        group = conf.get("sweep_name") or job.get("sweep_dir")
+        name = run_name(strategy.label, summary["overrides"])
+        wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
+        logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group)
         summary.update(_run(conf, strategy, run_dir, logger))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
+        log.error("out of memory: %s", summary["error"])
         raise
     except KeyboardInterrupt:
         summary.update(status="interrupted")
@@ -153,6 +158,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     device = resolve_device(tr["device"])
     strategy.check_device(device)
+    fault = Fault(conf.get("fault", {}).get("kind"), conf.get("fault", {}).get("at_step", 1))
     seed_everything(conf["seed"])
     cache_dir = Path(conf["paths"]["cache_dir"])
 
@@ -262,8 +268,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
         logger.log(metrics, step)
+        valid = corpus.splits["valid"]
+        logger.log_samples(step, valid.src, valid.tgt, hyps)
         for i in range(min(tr.get("num_samples", 0), len(hyps))):
-            log.info("  src: %s\n  ref: %s\n  hyp: %s", corpus.splits["valid"].src[i], corpus.splits["valid"].tgt[i], hyps[i])
+            log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
         log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
         state = dict(
             model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
@@ -281,6 +289,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
                                   tgt_codec.bos_id, tgt_codec.eos_id)
             window.resume()
             with peak.measure():
+                fault.maybe_raise(step + 1)
                 stats = trainer.step(micro)
             window.add(stats)
             step += 1
@@ -329,6 +338,26 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "sacrebleu_signature": test_scores["bleu_signature"],
         "chrf_signature": test_scores["chrf_signature"],
     }
+
+
+class Fault:
+    """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
+    failure mid-run, on any device, is recorded and handled as a real one would be."""
+
+    KINDS = ("oom", "error")
+
+    def __init__(self, kind: str | None = None, at_step: int = 1):
+        if kind is not None and kind not in self.KINDS:
+            raise ConfigError(f"fault.kind={kind}: expected null, {' or '.join(self.KINDS)}")
+        self.kind, self.at_step = kind, at_step
+
+    def maybe_raise(self, step: int) -> None:
+        if self.kind is None or step != self.at_step:
+            return
+        where = f"(fault injected at step {step} by fault.kind={self.kind})"
+        if self.kind == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.91 GiB {where}")
+        raise RuntimeError(f"injected failure {where}")
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

@@ -1,4 +1,11 @@
-"""Small models, batches and comparisons shared by the training-step tests."""
+"""Small models, batches and comparisons shared by the training-step tests; running the command-line tools;
+reading back their files."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -10,6 +17,17 @@ from src.model import ModelArgs, Transformer
 from src.trainer import Trainer, inverse_sqrt_schedule
 
 PAD, BOS, EOS = 1, 0, 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = ROOT, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    """A command-line tool of the project, as a user runs it (W&B offline, Hugging Face hub off)."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def make_split(n=8, seed=0, vocab=30) -> EncodedSplit:
@@ -48,3 +66,39 @@ def rel_update_diff(u: list[torch.Tensor], v: list[torch.Tensor]) -> float:
     gradient is zero because softmax ignores a constant added to every score, would compare rounding noise)."""
     flat_u, flat_v = torch.cat([a.flatten() for a in u]), torch.cat([b.flatten() for b in v])
     return ((flat_u - flat_v).norm() / flat_v.norm()).item()
+
+
+def read_wandb_run(path) -> dict:
+    """An offline W&B run file (``run-*.wandb``) read back with wandb's own reader: the run record, the config,
+    the history rows, the final summary (summary updates applied in order) and the exit record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+    from wandb.sdk.internal.datastore import DataStore
+
+    store = DataStore()
+    store.open_for_scan(str(path))
+    out = {"run": None, "config": {}, "history": [], "summary": {}, "exit_code": None, "metrics": {}}
+    while (data := store.scan_data()) is not None:
+        record = pb.Record()
+        record.ParseFromString(data)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["run"] = record.run
+            for item in record.run.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in record.config.update:
+                out["config"][item.key] = json.loads(item.value_json)
+        elif kind == "history":
+            out["history"].append({_key(i): json.loads(i.value_json) for i in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                out["summary"][_key(item)] = json.loads(item.value_json)
+        elif kind == "metric":
+            out["metrics"][record.metric.name] = record.metric
+        elif kind == "exit":
+            out["exit_code"] = record.exit.exit_code
+    return out
+
+
+def _key(item) -> str:
+    return item.key or ".".join(item.nested_key)

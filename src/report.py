@@ -1,0 +1,227 @@
+"""A sweep's runs side by side, from local files only: ``python experiments/report.py <multirun dir>``.
+
+Each job directory of the sweep holds ``summary.json`` (written whatever happened), ``metrics.jsonl``,
+``config.yaml`` and Hydra's ``.hydra/overrides.yaml``. The report is a markdown table (strategy, effective
+batch, peak memory by category, tokens/s, steps, validation and test BLEU, status) and a PNG: peak memory against
+throughput, each point labelled with its run and BLEU, and the training loss curves. Failed and out-of-memory jobs
+are rows of their own with the reason; a job killed before writing its summary is shown as such.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .errors import DataError
+from .fileio import atomic_path
+from .loggers import run_name
+from .memory import CATEGORIES, memory_strategy
+
+STATUS_TEXT = {"completed": "completed", "oom": "**out of memory**", "failed": "**failed**",
+               "interrupted": "**interrupted**", None: "**no summary.json** (killed?)"}
+
+
+@dataclass
+class Job:
+    name: str  # the job's directory name (Hydra's job number)
+    path: Path
+    summary: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    varying: frozenset[str] = frozenset()  # its overrides that other jobs of the sweep do not share
+
+    @property
+    def status(self) -> str | None:
+        return self.summary.get("status")
+
+    @property
+    def strategy(self) -> str:
+        if self.summary.get("strategy"):
+            return self.summary["strategy"]
+        try:
+            return memory_strategy(self.config["memory"], self.config["data"].get("max_tokens")).label
+        except Exception:  # no readable config: the overrides are all there is
+            return "?"
+
+    @property
+    def label(self) -> str:
+        """Strategy plus what else this job overrides: what tells the sweep's runs apart."""
+        return run_name(self.strategy, [o for o in self.overrides if o in self.varying])
+
+    @property
+    def effective_batch(self) -> str:
+        s, data = self.summary, self.config.get("data", {})
+        max_tokens = s.get("max_tokens", data.get("max_tokens"))
+        batch = s.get("batch_size") or data.get("batch_size")
+        accum = s.get("accum_steps") or self.config.get("memory", {}).get("accum_steps") or 1
+        text = f"{max_tokens:,} tokens" if max_tokens else f"{batch} pairs" if batch else "?"
+        if accum > 1:
+            micro = f"{-(-max_tokens // accum):,} tokens" if max_tokens else -(-batch // accum) if batch else "?"
+            text += f" ({accum} x {micro})"
+        return text
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.metrics if r.get("loss") is not None]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            # the last line of a killed run may be cut short; anywhere else it is damage worth naming
+            if i != len(lines):
+                raise DataError(f"{path}, line {i}: not valid JSON") from None
+    return rows
+
+
+def _read_yaml(path: Path):
+    if not path.exists():
+        return None
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:
+        raise DataError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def load_sweep(sweep_dir: str | Path) -> list[Job]:
+    """Every job of a multirun directory (or a single run directory), in job order."""
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        raise DataError(f"{root}: no such directory")
+    candidates = [root] if _is_job(root) else [p for p in root.iterdir() if p.is_dir() and _is_job(p)]
+    if not candidates:
+        raise DataError(f"{root}: no runs found (expected job directories with summary.json or .hydra/)")
+    jobs = []
+    for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+        summary = _read_json(path / "summary.json")
+        overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
+        config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
+        jobs.append(Job(path.name, path, summary, config, list(overrides), _read_jsonl(path / "metrics.jsonl")))
+    # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
+    shared = set.intersection(*(set(j.overrides) for j in jobs))
+    for job in jobs:
+        job.varying = frozenset(o for o in job.overrides if o not in shared)
+    return jobs
+
+
+def _is_job(path: Path) -> bool:
+    return (path / "summary.json").exists() or (path / ".hydra").is_dir()
+
+
+def _fmt(x, digits: int = 1, thousands: bool = True) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, (int, float)):
+        return f"{x:,.{digits}f}" if thousands else f"{x:.{digits}f}"
+    return str(x)
+
+
+def _status(job: Job) -> str:
+    text = STATUS_TEXT.get(job.status, job.status)
+    error = job.summary.get("error")
+    if error:
+        text += ": " + error.replace("|", "\\|")[:120]
+    return text
+
+
+def markdown_table(jobs: list[Job]) -> str:
+    cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # CPU tracker only
+    reserved = any(j.summary.get("peak_reserved_mb") for j in jobs)
+    head = ["job", "run", "effective batch", "peak memory (MiB)", *cats, *(["CUDA reserved"] if reserved else []),
+            "tokens/s", "steps", "valid BLEU", "test BLEU", "status"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for j in jobs:
+        s, split = j.summary, j.summary.get("peak_memory_split_mb") or {}
+        row = [j.name, j.label, j.effective_batch, _fmt(s.get("peak_memory_mb")), *(_fmt(split.get(c)) for c in cats),
+               *([_fmt(s.get("peak_reserved_mb"))] if reserved else []), _fmt(s.get("tokens_per_s"), 0),
+               _fmt(s.get("steps"), 0), _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _status(j)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(jobs: list[Job], path: Path) -> None:
+    """Peak memory against throughput (one labelled point per finished run, BLEU beside it), and loss curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_loss) = plt.subplots(1, 2, figsize=(13, 5.2))
+    done = [j for j in jobs if j.summary.get("tokens_per_s") and j.summary.get("peak_memory_mb")]
+    for j in done:
+        s = j.summary
+        ax_mem.scatter(s["tokens_per_s"], s["peak_memory_mb"], s=40)
+        bleu = s.get("test_bleu")
+        note = f"{j.label}\nBLEU {bleu:.1f}" if bleu is not None else j.label
+        ax_mem.annotate(note, (s["tokens_per_s"], s["peak_memory_mb"]), textcoords="offset points",
+                        xytext=(6, 4), fontsize=8)
+    broken = [j for j in jobs if j.status != "completed"]
+    if broken:
+        text = "not finished:\n" + "\n".join(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).strip('*')}"
+                                             for j in broken)
+        ax_mem.text(0.02, 0.02, text, transform=ax_mem.transAxes, fontsize=8, va="bottom", color="tab:red")
+    ax_mem.set_xlabel("training throughput (source + target tokens/s)")
+    ax_mem.set_ylabel("peak memory (MiB)")
+    ax_mem.set_title("memory against speed (test BLEU beside each run)")
+    ax_mem.grid(alpha=0.3)
+    if done:
+        ax_mem.set_ylim(bottom=0, top=max(j.summary["peak_memory_mb"] for j in done) * 1.2)
+        ax_mem.set_xlim(left=0, right=max(j.summary["tokens_per_s"] for j in done) * 1.3)
+
+    for j in jobs:
+        rows = j.train_rows
+        if rows:
+            style = "-" if j.status == "completed" else "--"
+            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=f"{j.name} {j.label}")
+    ax_loss.set_xlabel("optimizer step")
+    ax_loss.set_ylabel("training loss (label-smoothed, per target token)")
+    ax_loss.set_title("loss curves (dashed: did not finish)")
+    ax_loss.grid(alpha=0.3)
+    if ax_loss.lines:
+        ax_loss.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path, str]:
+    """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
+    jobs = load_sweep(sweep_dir)
+    out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
+    table = markdown_table(jobs)
+    shared = sorted(set.intersection(*(set(j.overrides) for j in jobs)))
+    counts = {}
+    for j in jobs:
+        counts[j.status or "no summary"] = counts.get(j.status or "no summary", 0) + 1
+    text = (f"# Sweep report: {Path(sweep_dir)}\n\n"
+            f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
+            + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")
+            + table + "\n![peak memory against throughput, and loss curves](report.png)\n")
+    md, png = out / "report.md", out / "report.png"
+    plot(jobs, png)
+    with atomic_path(md) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return md, png, table
