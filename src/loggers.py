@@ -19,6 +19,8 @@ import math
 import os
 from pathlib import Path
 
+from .errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 # Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone.
@@ -62,30 +64,35 @@ class RunLogger:
                  name: str | None = None, group: str | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
         self.wandb = None
         self.num_samples = 0
-        if wandb_settings:
+        if wandb_settings:  # first: a W&B setting that fails leaves no open file behind
             self.num_samples = int(wandb_settings.get("samples") or 0)
             self.wandb = self._start_wandb(wandb_settings, config or {}, name, group, Path(run_dir))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
 
     @staticmethod
     def _start_wandb(settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path):
         import wandb  # imported here: runs without logger=wandb do not need it
 
         mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
-        run = wandb.init(
-            project=settings.get("project"),
-            entity=settings.get("entity"),
-            group=group,
-            tags=list(settings.get("tags") or []),
-            name=name,
-            job_type="train",
-            mode=mode,
-            dir=str(run_dir),
-            config=config,
-            reinit="finish_previous",  # a sweep's jobs share a process: each gets its own run
-        )
+        try:
+            run = wandb.init(
+                project=settings.get("project"),
+                entity=settings.get("entity"),
+                group=group,
+                tags=list(settings.get("tags") or []),
+                name=name,
+                job_type="train",
+                mode=mode,
+                dir=str(run_dir),
+                config=config,
+                reinit="finish_previous",  # a sweep's jobs share a process: each gets its own run
+            )
+        except wandb.errors.UsageError as e:  # e.g. online without a key
+            source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
+            raise ConfigError(f"{source}={mode}: {str(e).splitlines()[0]} (or use logger.wandb.mode=offline: "
+                              "no account needed)") from None
         for key, summary in METRIC_SUMMARIES.items():
             run.define_metric(key, summary=summary)
         return run

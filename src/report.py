@@ -169,14 +169,26 @@ def plot(jobs: list[Job], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_mem, ax_loss) = plt.subplots(1, 2, figsize=(13, 5.2))
+    color = {j.name: f"C{i % 10}" for i, j in enumerate(jobs)}  # one colour per job in both panels
     done = [j for j in jobs if j.summary.get("tokens_per_s") and j.summary.get("peak_memory_mb")]
-    for j in done:
-        s = j.summary
-        ax_mem.scatter(s["tokens_per_s"], s["peak_memory_mb"], s=40)
-        bleu = s.get("test_bleu")
-        note = f"{j.label}\nBLEU {bleu:.1f}" if bleu is not None else j.label
-        ax_mem.annotate(note, (s["tokens_per_s"], s["peak_memory_mb"]), textcoords="offset points",
-                        xytext=(6, 4), fontsize=8)
+    if done:
+        x_max = max(j.summary["tokens_per_s"] for j in done) * 1.3
+        y_max = max(j.summary["peak_memory_mb"] for j in done) * 1.2
+        ax_mem.set_xlim(0, x_max)
+        ax_mem.set_ylim(0, y_max)
+    placed: list[tuple[float, float]] = []  # label positions, as fractions of the axes
+    for j in sorted(done, key=lambda j: j.summary["peak_memory_mb"]):
+        x, y = j.summary["tokens_per_s"], j.summary["peak_memory_mb"]
+        ax_mem.scatter(x, y, s=40, color=color[j.name])
+        bleu = j.summary.get("test_bleu")
+        note = f"{j.label}: BLEU {bleu:.1f}" if bleu is not None else j.label
+        fx, fy = x / x_max, y / y_max
+        dy = 0.02
+        while any(abs(fx - px) < 0.25 and abs(fy + dy - py) < 0.045 for px, py in placed):
+            dy += 0.045  # move the label up until it clears the ones already placed
+        placed.append((fx, fy + dy))
+        ax_mem.annotate(note, (x, y), xytext=(x + 0.015 * x_max, y + dy * y_max), fontsize=8,
+                        arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if dy > 0.03 else None)
     broken = [j for j in jobs if j.status != "completed"]
     if broken:
         text = "not finished:\n" + "\n".join(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).strip('*')}"
@@ -186,15 +198,13 @@ def plot(jobs: list[Job], path: Path) -> None:
     ax_mem.set_ylabel("peak memory (MiB)")
     ax_mem.set_title("memory against speed (test BLEU beside each run)")
     ax_mem.grid(alpha=0.3)
-    if done:
-        ax_mem.set_ylim(bottom=0, top=max(j.summary["peak_memory_mb"] for j in done) * 1.2)
-        ax_mem.set_xlim(left=0, right=max(j.summary["tokens_per_s"] for j in done) * 1.3)
 
     for j in jobs:
         rows = j.train_rows
         if rows:
             style = "-" if j.status == "completed" else "--"
-            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=f"{j.name} {j.label}")
+            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color[j.name],
+                         label=f"{j.name} {j.label}")
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss (label-smoothed, per target token)")
     ax_loss.set_title("loss curves (dashed: did not finish)")

@@ -1,0 +1,252 @@
+"""Sweeps as a user runs them: `python train.py -m ...` logs one W&B run per job (read back with wandb's own
+reader), a failing job is recorded and the others still run, `experiments/report.py` compares them, and the
+experiment presets reproduce their loss curves."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from matplotlib import image
+from omegaconf import OmegaConf
+
+from src.loggers import run_name
+from src.report import load_sweep, write_report
+from src.run import train
+
+from .conftest import FAST, compose_config
+from .helpers import read_jsonl, read_wandb_run, run_cli
+
+SENTINEL = "sentinel-api-key-0123456789abcdef0123456789abcdef"
+
+
+def wandb_file(run_dir: Path) -> Path:
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.mark.slow
+def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "memory=none,amp,accum", "logger=wandb", "logger.wandb.samples=3", "tags=[t1,t2]",
+                   *FAST, f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}",
+                   env_extra={"WANDB_API_KEY": SENTINEL})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    for job, label in (("0", "none"), ("1", "amp"), ("2", "accum")):
+        run_dir = sweep / job
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["strategy"] == label
+        w = read_wandb_run(wandb_file(run_dir))
+
+        # one run per job, grouped by the sweep, named by strategy and overrides, tagged from config
+        run = w["run"]
+        assert run.run_group == str(sweep) and run.job_type == "train"
+        assert run.display_name == run_name(label, summary["overrides"])
+        assert run.display_name.startswith(f"{label} ") and "model=tiny" in run.display_name
+        assert "memory=" not in run.display_name
+        assert list(run.tags) == ["t1", "t2"]
+
+        # the fully resolved config, as plain data, and the strategy
+        config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+        assert {k: w["config"][k] for k in config} == config
+        assert w["config"]["strategy"] == label and "${" not in json.dumps(w["config"])
+
+        # every metrics.jsonl row at its optimizer step
+        rows = read_jsonl(run_dir / "metrics.jsonl")
+        train_rows = [r for r in rows if "loss" in r]
+        logged = {h["_step"]: h for h in w["history"]}
+        assert [r["step"] for r in train_rows] == [s for s in sorted(logged) if "loss" in logged[s]]
+        for r in train_rows:
+            assert logged[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-12)
+
+        # summaries derived by define_metric, and the run's own figures
+        bleus = [r["valid_bleu"] for r in rows if "valid_bleu" in r]
+        speeds = [r["tokens_per_s"] for r in train_rows]
+        assert w["summary"]["valid_bleu"] == {"max": pytest.approx(max(bleus))}
+        assert w["summary"]["peak_memory_mb"] == {"max": pytest.approx(max(r["peak_memory_mb"] for r in train_rows))}
+        assert w["summary"]["tokens_per_s"]["mean"] == pytest.approx(statistics.mean(speeds), rel=1e-6)
+        assert {m: w["metrics"][m].summary.max or w["metrics"][m].summary.mean for m in w["metrics"]} == {
+            "valid_bleu": True, "peak_memory_mb": True, "tokens_per_s": True}
+        assert w["summary"]["test_bleu"] == pytest.approx(summary["test_bleu"])
+        assert w["summary"]["status"] == "completed" and w["exit_code"] == 0
+
+        # sample translations, a table per validation
+        tables = sorted((run_dir / "wandb").glob("offline-run-*/files/media/table/valid_samples_*.table.json"))
+        assert len(tables) == len(bleus) == 2
+        table = json.loads(tables[-1].read_text())
+        assert table["columns"] == ["step", "source", "reference", "hypothesis"] and len(table["data"]) == 3
+
+    # the API key is never written anywhere
+    for path in sweep.rglob("*"):
+        if path.is_file():
+            assert SENTINEL.encode() not in path.read_bytes(), path
+
+
+@pytest.fixture(scope="module")
+def failing_sweep(tmp_path_factory) -> tuple[Path, object]:
+    """A sweep of four jobs: one completes, one runs out of memory, one raises, one has a bad setting."""
+    tmp = tmp_path_factory.mktemp("failing")
+    sweep = tmp / "sweep"
+    proc = run_cli("train.py", "-m", "fault.kind=null,oom,error,bogus", "fault.at_step=3", "logger=wandb", *FAST,
+                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp / 'cache'}")
+    return sweep, proc
+
+
+@pytest.mark.slow
+def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
+    sweep, proc = failing_sweep
+    assert proc.returncode == 0, proc.stderr[-3000:]  # failures do not fail the sweep unless asked to
+    summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in "0123"]
+    assert [s["status"] for s in summaries] == ["completed", "oom", "failed", "failed"]
+    assert summaries[0]["test_bleu"] is not None
+    assert "Tried to allocate" in summaries[1]["error"] and "injected failure" in summaries[2]["error"]
+    assert summaries[3]["error"].startswith("fault.kind=bogus")
+    assert "3 sweep job(s) failed" in proc.stderr
+    for job, status in zip("0123", ("completed", "oom", "failed", "failed")):
+        w = read_wandb_run(wandb_file(sweep / job))
+        assert w["summary"]["status"] == status
+        assert w["exit_code"] == (0 if status == "completed" else 1)
+    # the out-of-memory job logged its steps before the failure
+    assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "loss" in r] == [2]
+
+
+@pytest.mark.slow
+def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
+    sweep, _ = failing_sweep
+    proc = run_cli("experiments/report.py", str(sweep), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = markdown_rows((tmp_path / "report.md").read_text())
+    assert [r.split(" | ")[0] for r in rows] == ["| 0", "| 1", "| 2", "| 3"]
+    assert rows[0].endswith("| completed |")
+    assert "**out of memory**: CUDA out of memory" in rows[1] and "**failed**: RuntimeError" in rows[2]
+    assert "fault.kind=bogus" in rows[3]
+    assert "fault.kind=oom" in rows[1]  # runs are named by what differs between the jobs
+    png = image.imread(tmp_path / "report.png")
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.shape[0] > 300 and png.shape[1] > 600
+
+
+def test_report_shows_a_job_killed_before_its_summary(tmp_path):
+    """A job killed outright (SIGKILL, node lost) leaves no summary.json: it is a row, not a gap."""
+    sweep = tmp_path / "sweep"
+    for job, status in (("0", "completed"), ("1", None), ("10", "oom")):
+        d = sweep / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- memory=amp\n- trainer.max_steps={job}\n")
+        (d / "config.yaml").write_text("memory: {amp: bf16, accum_steps: 2}\ndata: {batch_size: 8, max_tokens: null}\n")
+        (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n{"step": 4, "loss": 4.5}\n{"step": 6, "lo')
+        if status:
+            (d / "summary.json").write_text(json.dumps({"status": status, "strategy": "amp+accum",
+                                                        "tokens_per_s": 10.0, "peak_memory_mb": 1.0}))
+    jobs = load_sweep(sweep)
+    assert [j.name for j in jobs] == ["0", "1", "10"]  # numeric order
+    assert [j.status for j in jobs] == ["completed", None, "oom"]
+    assert jobs[1].strategy == "amp+accum" and jobs[1].effective_batch == "8 pairs (2 x 4)"
+    assert [r["step"] for r in jobs[1].train_rows] == [2, 4]  # the line cut off by the kill is skipped
+    md, png, table = write_report(sweep)
+    assert "| 1 | amp+accum trainer.max_steps=1 | 8 pairs (2 x 4) |" in table
+    assert "**no summary.json** (killed?)" in table and md.exists() and png.exists()
+
+
+def test_report_names_what_it_cannot_read(tmp_path):
+    from src.errors import DataError
+
+    with pytest.raises(DataError, match="no such directory"):
+        load_sweep(tmp_path / "missing")
+    with pytest.raises(DataError, match="no runs found"):
+        load_sweep(tmp_path)
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"0/summary.json: not valid JSON \(line 1\)"):
+        load_sweep(tmp_path)
+
+
+@pytest.mark.slow
+def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "fault.kind=error,null", "fail_on_error=true", *FAST, "trainer.max_steps=2",
+                   "trainer.eval_every=2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 1
+    statuses = [json.loads((sweep / j / "summary.json").read_text())["status"] for j in "01"]
+    assert statuses == ["failed", "completed"]
+
+
+@pytest.mark.parametrize("preset", ["memory_sweep", "multi30k_small", "paper_base"])
+def test_presets_pin_seed_and_tags(preset, tmp_path):
+    extra = ["data.train_prefix=a", "data.valid_prefix=b", "data.test_prefix=c"] if preset == "paper_base" else []
+    cfg = compose_config(f"experiment={preset}", *extra, run_dir=tmp_path)
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert resolved["seed"] == 1234 and resolved["tags"] == [preset]
+
+
+def test_paper_base_is_the_papers_recipe(tmp_path):
+    cfg = compose_config("experiment=paper_base", run_dir=tmp_path)
+    m, o = cfg.model, cfg.optim
+    assert (m.encoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 512, 8, 2048, 0.1)
+    assert o.name == "noam" and o.warmup_steps == 4000 and o.label_smoothing == 0.1 and list(o.betas) == [0.9, 0.98]
+    assert cfg.data.max_tokens == 25000 and cfg.trainer.max_steps == 100_000 and cfg.memory.trim_vocab
+
+
+def test_memory_sweep_preset_sweeps_strategies_at_one_effective_batch(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from .conftest import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=memory_sweep"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params.memory
+    assert params.split(",")[:3] == ["none", "amp", "accum"] and "[amp,accum]" in params
+    assert "tokens" not in params  # a token budget would change the effective batch
+    assert cfg.data.batch_size == 64 and cfg.data.max_tokens is None
+
+
+def test_a_preset_reproduces_its_loss_curve(tmp_path):
+    """Same preset, same seed: the same loss curve, exactly; another seed gives another curve."""
+
+    def curve(name: str, *overrides: str) -> list[tuple]:
+        cfg = compose_config("experiment=memory_sweep", "logger=none", *FAST, "data.long_fraction=0.05",
+                             "trainer.max_steps=6", "trainer.eval_every=6", *overrides,
+                             run_dir=tmp_path / name, cache_dir=tmp_path / "cache")
+        assert train(cfg)["status"] == "completed"
+        rows = read_jsonl(tmp_path / name / "metrics.jsonl")
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+
+    first = curve("a")
+    assert curve("b") == first
+    assert curve("c", "seed=99") != first
+
+
+def test_repeated_settings_keep_one_row_per_job(tmp_path):
+    """Report rows are per job directory, including jobs whose overrides are identical (repeats of one setting)."""
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        d = sweep / job
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "none", "overrides": ["seed=1"]}))
+    jobs = load_sweep(sweep)
+    assert [j.label for j in jobs] == ["none", "none"] and len(markdown_rows(write_report(sweep)[2])) == 2
+
+
+def markdown_rows(table: str) -> list[str]:
+    return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+
+
+
+def test_wandb_modes(tmp_path, monkeypatch):
+    """disabled logs nothing and finishes; online without a key is one clear line, before any training."""
+    from src.errors import ConfigError
+    from src.loggers import RunLogger
+
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: not logged in
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config"))
+    logger = RunLogger(tmp_path / "disabled", {"mode": "disabled", "samples": 2}, {"a": 1}, name="none")
+    logger.log({"loss": 1.0}, step=1)
+    logger.log_samples(1, ["s"], ["r"], ["h"])
+    logger.finish({"status": "completed"})
+    assert not (tmp_path / "disabled" / "wandb").exists()
+    assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
+    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
+        RunLogger(tmp_path / "online", {"mode": "online"}, {"a": 1}, name="none")
