@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from .errors import DataError
+from .errors import DataError, UserError
 from .fileio import atomic_path
 from .loggers import run_name
 from .memory import CATEGORIES, memory_strategy
@@ -45,7 +46,7 @@ class Job:
             return self.summary["strategy"]
         try:
             return memory_strategy(self.config["memory"], self.config["data"].get("max_tokens")).label
-        except Exception:  # no readable config: the overrides are all there is
+        except (KeyError, TypeError, AttributeError, UserError):  # no usable config.yaml
             return "?"
 
     @property
@@ -120,10 +121,14 @@ def load_sweep(sweep_dir: str | Path) -> list[Job]:
         config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
         jobs.append(Job(path.name, path, summary, config, list(overrides), _read_jsonl(path / "metrics.jsonl")))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
-    shared = set.intersection(*(set(j.overrides) for j in jobs))
+    shared = shared_overrides(jobs)
     for job in jobs:
         job.varying = frozenset(o for o in job.overrides if o not in shared)
     return jobs
+
+
+def shared_overrides(jobs: list[Job]) -> set[str]:
+    return set.intersection(*(set(j.overrides) for j in jobs))
 
 
 def _is_job(path: Path) -> bool:
@@ -222,10 +227,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
     jobs = load_sweep(sweep_dir)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
     table = markdown_table(jobs)
-    shared = sorted(set.intersection(*(set(j.overrides) for j in jobs)))
-    counts = {}
-    for j in jobs:
-        counts[j.status or "no summary"] = counts.get(j.status or "no summary", 0) + 1
+    shared = sorted(shared_overrides(jobs))
+    counts = Counter(j.status or "no summary" for j in jobs)
     text = (f"# Sweep report: {Path(sweep_dir)}\n\n"
             f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")
