@@ -23,10 +23,12 @@ statistic, ``TensorMemoryTracker`` adds up the bytes of every live tensor storag
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import sys
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,6 +50,9 @@ class MemoryStrategy:
     checkpoint: bool = False
     loss_chunk: int | None = None  # target positions per chunk of the output projection and loss
     trim_vocab: bool = False
+    auto: bool = False  # memory=auto: the planner picks accumulation, then amp, then checkpointing to fit budget_gb
+    budget_gb: float | None = None
+    oom_retries: int = 3  # out-of-memory back-offs (twice the accumulation each) before a run fails
     max_tokens: int | None = None  # data.max_tokens: the token budget of one optimizer step's batch
 
     def __post_init__(self):
@@ -63,9 +68,14 @@ class MemoryStrategy:
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 where = "data" if key == "max_tokens" else "memory"
                 raise ConfigError(f"{where}.{key}={value}: must be an integer >= {minimum}" + (", or null" if key != "accum_steps" else ""))
-        for key in ("checkpoint", "trim_vocab"):
+        for key in ("checkpoint", "trim_vocab", "auto"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"memory.{key}={getattr(self, key)}: expected true or false")
+        if not isinstance(self.oom_retries, int) or isinstance(self.oom_retries, bool) or self.oom_retries < 0:
+            raise ConfigError(f"memory.oom_retries={self.oom_retries}: must be an integer >= 0")
+        if self.auto and not (isinstance(self.budget_gb, (int, float)) and self.budget_gb > 0):
+            raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
+                              "e.g. memory.budget_gb=12")
 
     @property
     def truncates(self) -> bool:
@@ -86,7 +96,8 @@ class MemoryStrategy:
             )
             if on
         ]
-        return "+".join(parts) or "none"
+        label = "+".join(parts) or "none"
+        return f"auto({label})" if self.auto else label
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
@@ -227,6 +238,7 @@ class PeakMemory:
         self.run_peak = 0
         self.run_reserved = 0
         self.run_peak_by_category: dict[str, int] = {}
+        self._recording = False
 
     @property
     def available(self) -> bool:
@@ -273,6 +285,27 @@ class PeakMemory:
 
     def run_reserved_mb(self) -> float | None:
         return self.run_reserved / 2**20 if self.device.type == "cuda" else None
+
+    def record_history(self) -> None:
+        """CUDA: start recording allocations and their stack traces (what ``snapshot`` shows)."""
+        if self.device.type == "cuda" and not self._recording:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            self._recording = True
+
+    def snapshot(self, stem: Path) -> Path | None:
+        """Write what memory holds now: on CUDA the allocator's snapshot (``<stem>.pickle``, viewable at
+        https://pytorch.org/memory_viz), on the CPU the tracker's live and peak bytes by category (``<stem>.json``)."""
+        if self.device.type == "cuda":
+            path = stem.with_suffix(".pickle")
+            torch.cuda.memory._dump_snapshot(str(path))
+            return path
+        if self.tracker is None:
+            return None
+        path = stem.with_suffix(".json")
+        mib = {k: round(v / 2**20, 1) for k, v in self.tracker.live_by_category.items()}
+        peak = {k: round(v / 2**20, 1) for k, v in self.tracker.peak_by_category.items()}
+        path.write_text(json.dumps({"live_mb": mib, "peak_mb": peak}, indent=2) + "\n", encoding="utf-8")
+        return path
 
 
 def reset_peak_rss() -> None:

@@ -8,6 +8,7 @@ checkpoint -> ``summary.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -19,10 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
+from . import planner
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
-from .data.encode import EncodedCorpus, encode_corpus, trim_vocabulary
+from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
 from .errors import ConfigError, DataError, UserError
 from .evaluate import score, translate_ids, validation_loss
@@ -70,12 +72,7 @@ def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
     src, tgt = encoded.src_codec, encoded.tgt_codec
     if src.pad_id != tgt.pad_id:
         raise ConfigError("source and target tokenizers must share the padding id")
-    fields = {k: v for k, v in model.items() if k != "name"}
-    try:
-        args = ModelArgs(src_vocab=len(src), tgt_vocab=len(tgt), pad_id=tgt.pad_id, share_vocab=src is tgt, **fields)
-    except TypeError as e:
-        raise ConfigError(f"model: {e}") from None
-    return Transformer(args)
+    return Transformer(model_args(model, len(src), len(tgt), src is tgt, tgt.pad_id))
 
 
 def count_parameters(model: dict, encoded: EncodedCorpus) -> int:
@@ -99,6 +96,68 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device):
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(warmup))
     return optimizer, scheduler, peak
+
+
+def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id: int) -> ModelArgs:
+    fields = {k: v for k, v in model.items() if k != "name"}
+    try:
+        return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
+    except TypeError as e:
+        raise ConfigError(f"model: {e}") from None
+
+
+def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
+                      device: torch.device) -> tuple[MemoryStrategy, dict]:
+    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py)."""
+    plan = conf.get("plan") or {}
+    overhead, context = plan.get("overhead", 0.10), plan.get("context_gb", 0.5)
+    usable_gb = strategy.budget_gb - (context if device.type == "cuda" else 0.0)
+    budget = usable_gb * planner.GiB / (1 + overhead)
+    src, tgt = encoded.src_codec, encoded.tgt_codec
+    args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
+    amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
+    longest_src, longest_tgt = planner.longest_pair(train_split)
+    chosen, est, tried = planner.choose_strategy(
+        args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
+        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
+    )
+    return chosen, {
+        "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
+        "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
+        "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
+    }
+
+
+def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
+    """plan.py: the estimated peak of one worst-case training step of a resolved config. Lengths and vocabulary
+    sizes come from ``plan.*`` when given, else from the training data exactly as training prepares it (cached;
+    nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb."""
+    strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
+    plan = conf.get("plan") or {}
+    keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
+    shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
+    measured: dict = {}
+    if not all(plan.get(k) for k in keys):
+        _, encoded, train_split, _ = prepare_data(conf, strategy)
+        measured = dict(zip(keys, (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))))
+        shared = encoded.src_codec is encoded.tgt_codec
+    src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in keys)
+    if strategy.max_src_len:
+        src_len = min(src_len, strategy.max_src_len)
+    if strategy.max_tgt_len:
+        tgt_len = min(tgt_len, strategy.max_tgt_len)
+    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
+    ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
+    info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
+            "from_data": sorted(k for k in keys if not plan.get(k))}
+    if strategy.auto:
+        budget = (strategy.budget_gb - plan.get("context_gb", 0.5)) * planner.GiB / (1 + plan.get("overhead", 0.10))
+        strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
+                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip)
+        return strategy, est, info
+    shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                     strategy.accum_steps)
+    return strategy, planner.estimate_step(args, strategy, shape, ls, clip), info
 
 
 def seed_everything(seed: int) -> None:
@@ -154,17 +213,12 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
-def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger) -> dict:
-    tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
-    device = resolve_device(tr["device"])
-    strategy.check_device(device)
-    fault = Fault(conf.get("fault", {}).get("kind"), conf.get("fault", {}).get("at_step", 1))
-    seed_everything(conf["seed"])
+def prepare_data(conf: dict, strategy: MemoryStrategy) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
+    """The corpus, its encoding (cached), the training split after truncation, and what was done to it."""
     cache_dir = Path(conf["paths"]["cache_dir"])
-
-    corpus = load_corpus(data, cache_dir)
+    corpus = load_corpus(conf["data"], cache_dir)
     encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
-    info: dict = {"device": str(device), "sentences": {k: len(v) for k, v in encoded.splits.items()}}
+    info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if strategy.trim_vocab:
         full = encoded
         encoded = trim_vocabulary(encoded)
@@ -176,7 +230,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         }
         log.info("trim_vocab: %s", info["trim_vocab"])
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     info["vocab"] = {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec}
     train_split = encoded.splits["train"]
     if strategy.truncates:
@@ -188,6 +241,22 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         )
         if not len(train_split):
             raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
+    return corpus, encoded, train_split, info
+
+
+def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger) -> dict:
+    tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
+    device = resolve_device(tr["device"])
+    strategy.check_device(device)
+    fault = Fault(**_fault_settings(conf))
+    seed_everything(conf["seed"])
+    corpus, encoded, train_split, info = prepare_data(conf, strategy)
+    info["device"] = str(device)
+    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
+    save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
+    if strategy.auto:
+        strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device)
+        log.info("memory=auto: %s", info["auto"])
 
     seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
     model = build_model(conf["model"], encoded).to(device)
@@ -283,14 +352,44 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         save_checkpoint(last_path, **state)
         peak.skip_window()
 
+    accum = strategy.accum_steps
+    backoffs: list[dict] = []
+
+    def train_step(indices: list[int]):
+        """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
+        two for the rest of the run (twice the accumulation: the same examples, the same effective batch, the
+        same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot."""
+        nonlocal accum
+        for attempt in range(strategy.oom_retries + 1):
+            micro = micro_batches(train_split, indices, sizes, accum, tgt_codec.pad_id, tgt_codec.bos_id,
+                                  tgt_codec.eos_id)
+            try:
+                with peak.measure():
+                    fault.maybe_raise(step + 1)
+                    return trainer.step(micro)
+            except torch.OutOfMemoryError as e:
+                optimizer.zero_grad(set_to_none=True)
+                reason = str(e).splitlines()[0]
+                largest = max(len(b) for b in micro)
+                del micro
+                if attempt == strategy.oom_retries or largest == 1:
+                    snapshot = peak.snapshot(run_dir / "oom_snapshot")
+                    raise torch.OutOfMemoryError(
+                        f"out of memory at step {step + 1} with micro-batches of up to {largest} pairs "
+                        f"(accum_steps {accum}) after {len(backoffs)} back-off(s): {reason}"
+                        + (f"; memory snapshot: {snapshot}" if snapshot else "")
+                    ) from None
+                accum = min(accum * 2, len(indices))
+                backoffs.append({"step": step + 1, "accum_steps": accum, "error": reason})
+                peak.record_history()  # from now on, so that a final failure comes with a useful snapshot
+                log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step + 1, reason, accum)
+                logger.log({"oom_backoffs": len(backoffs), "accum_steps": accum}, step + 1)
+        raise AssertionError("unreachable")
+
     while True:
         for indices in batches(epoch):
-            micro = micro_batches(train_split, indices, sizes, strategy.accum_steps, tgt_codec.pad_id,
-                                  tgt_codec.bos_id, tgt_codec.eos_id)
             window.resume()
-            with peak.measure():
-                fault.maybe_raise(step + 1)
-                stats = trainer.step(micro)
+            stats = train_step(indices)
             window.add(stats)
             step += 1
             bar.update(1)
@@ -319,6 +418,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     train_s = max(window.total_seconds, 1e-9)
     return {
         **info,
+        "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
         "steps": step,
         "epochs": round(step / batches_per_epoch, 3),
         "src_tokens": window.total_src_tokens,
@@ -327,6 +427,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "padding_ratio": round(window.padding_ratio(total=True), 4),
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
+        "final_accum_steps": accum,
+        "oom_backoffs": backoffs,
         "peak_memory_mb": _round(peak.run_peak_mb()),
         "peak_memory_split_mb": peak.run_peak_split_mb(),
         "peak_reserved_mb": _round(peak.run_reserved_mb()),
@@ -346,18 +448,26 @@ class Fault:
 
     KINDS = ("oom", "error")
 
-    def __init__(self, kind: str | None = None, at_step: int = 1):
+    def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
         if kind is not None and kind not in self.KINDS:
             raise ConfigError(f"fault.kind={kind}: expected null, {' or '.join(self.KINDS)}")
-        self.kind, self.at_step = kind, at_step
+        self.kind, self.at_step, self.times = kind, at_step, times
 
     def maybe_raise(self, step: int) -> None:
-        if self.kind is None or step != self.at_step:
+        """Raise on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
+        attempt)."""
+        if self.kind is None or step != self.at_step or self.times <= 0:
             return
+        self.times -= 1
         where = f"(fault injected at step {step} by fault.kind={self.kind})"
         if self.kind == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.91 GiB {where}")
         raise RuntimeError(f"injected failure {where}")
+
+
+def _fault_settings(conf: dict) -> dict:
+    fault = conf.get("fault") or {}
+    return {"kind": fault.get("kind"), "at_step": fault.get("at_step", 1), "times": fault.get("times", 1)}
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

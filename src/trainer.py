@@ -31,7 +31,8 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: fl
     nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     smooth = -lprobs.mean(dim=-1)
     loss = (1.0 - epsilon) * nll + epsilon * smooth
-    return loss[mask].sum(), nll[mask].sum()
+    # where, not loss[mask]: shapes that do not depend on the data, so the planner can run this on fake tensors
+    return torch.where(mask, loss, 0.0).sum(), torch.where(mask, nll, 0.0).sum()
 
 
 def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float):
@@ -47,8 +48,8 @@ def chunked_loss(
     Only the non-pad positions are projected, ``chunk`` of them at a time; each chunk is checkpointed, so its
     logits are freed once its loss is known and recomputed one chunk at a time in backward. Peak logits memory
     falls from ``tokens x vocabulary`` to ``chunk x vocabulary``, for one more output projection."""
-    keep = target != pad_id
-    h, t = hidden[keep], target[keep]
+    keep = (target != pad_id).flatten().nonzero().squeeze(1)  # the planner's fake nonzero keeps every position
+    h, t = hidden.flatten(0, 1).index_select(0, keep), target.flatten().index_select(0, keep)
     loss = nll = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, t.numel(), chunk):
         part = checkpoint(
@@ -115,6 +116,9 @@ class Trainer:
         # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=strategy.amp == "fp16")
         model.checkpoint_layers = strategy.checkpoint
+        # Called with "forward_start", "forward_end", "backward_end" around each micro-batch when set: how the
+        # memory ledger sees the growth during forward and backward (src/memory.py, src/planner.py).
+        self.ledger = None
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         """One optimizer step over the micro-batches of one batch."""
@@ -123,12 +127,16 @@ class Trainer:
         n_tokens = sum(b.n_tgt_tokens for b in micro_batches)
         loss_total = torch.zeros((), device=self.device)
         nll_total = torch.zeros((), device=self.device)
+        mark = self.ledger or (lambda point: None)
         for batch in micro_batches:
             batch = batch.to(self.device)
+            mark("forward_start")
             with self.strategy.autocast(self.device):
                 loss_sum, nll_sum = batch_loss(model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk)
+            mark("forward_end")
             with region("backward"):
                 scaler.scale(loss_sum / n_tokens).backward()
+            mark("backward_end")
             loss_total += loss_sum.detach()
             nll_total += nll_sum.detach()
         with region("optimizer"):

@@ -89,7 +89,8 @@ def failing_sweep(tmp_path_factory) -> tuple[Path, object]:
     """A sweep of four jobs: one completes, one runs out of memory, one raises, one has a bad setting."""
     tmp = tmp_path_factory.mktemp("failing")
     sweep = tmp / "sweep"
-    proc = run_cli("train.py", "-m", "fault.kind=null,oom,error,bogus", "fault.at_step=3", "logger=wandb", *FAST,
+    proc = run_cli("train.py", "-m", "fault.kind=null,oom,error,bogus", "fault.at_step=3", "fault.times=10",
+                   "logger=wandb", *FAST,
                    f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp / 'cache'}")
     return sweep, proc
 
@@ -101,7 +102,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
     summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in "0123"]
     assert [s["status"] for s in summaries] == ["completed", "oom", "failed", "failed"]
     assert summaries[0]["test_bleu"] is not None
-    assert "Tried to allocate" in summaries[1]["error"] and "injected failure" in summaries[2]["error"]
+    assert "after 3 back-off(s)" in summaries[1]["error"] and "Tried to allocate" in summaries[1]["error"]
+    assert "injected failure" in summaries[2]["error"]
     assert summaries[3]["error"].startswith("fault.kind=bogus")
     assert "3 sweep job(s) failed" in proc.stderr
     for job, status in zip("0123", ("completed", "oom", "failed", "failed")):
@@ -110,6 +112,7 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
         assert w["exit_code"] == (0 if status == "completed" else 1)
     # the out-of-memory job logged its steps before the failure
     assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "loss" in r] == [2]
+    assert [r["accum_steps"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "oom_backoffs" in r] == [2, 4, 8]
 
 
 @pytest.mark.slow

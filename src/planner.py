@@ -1,0 +1,225 @@
+"""Know before you run: the peak memory of one training step, estimated without allocating it.
+
+The estimate runs the real training step (``trainer.Trainer.step``: the same model, loss, autocast, accumulation,
+checkpointing, chunked loss, clipping and Adam) on fake tensors (``torch._subclasses.FakeTensorMode``): every
+operator computes its output's shape, dtype and device, and no memory is allocated. ``TensorMemoryTracker`` counts
+the storages those operators would create, exactly as it does on a real CPU step, so the estimate is split into
+the same categories: parameters, gradients, optimizer state, activations, logits and backward temporaries.
+
+The batch is the worst case the settings allow: every sentence as long as the longest training sentence, so no
+position is padding (the one data-dependent operator, the list of non-pad positions, is answered "all of them").
+As in training, the step measured is a second one, after the first has created Adam's state.
+
+CPU kernels decide the shapes here. On CUDA, ``max_memory_allocated`` also counts the allocator's rounding of
+each block (512 bytes) and cuBLAS workspaces, and the process needs a CUDA context (300-600 MiB outside the
+allocator): ``fits`` adds a margin for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .data.batching import Batch
+from .errors import ConfigError
+from .memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker
+from .model import ModelArgs, Transformer
+from .trainer import Trainer, inverse_sqrt_schedule
+
+MiB = 2**20
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One optimizer step's worst-case batch: ``accum_steps`` micro-batches of ``pairs`` sentence pairs, each
+    source ``src_len`` positions (with </s>) and each target ``tgt_len`` (with <s> / </s>)."""
+
+    pairs: int
+    src_len: int
+    tgt_len: int
+    accum_steps: int = 1
+
+    @property
+    def batch_pairs(self) -> int:
+        return self.pairs * self.accum_steps
+
+
+def worst_case_shape(longest_src: int, longest_tgt: int, batch_size: int, max_tokens: int | None,
+                     accum_steps: int) -> StepShape:
+    """The batch the data settings allow at their longest. ``longest_*`` count tokens without specials. A
+    token budget holds ``max_tokens // size`` such pairs (size: the longer side plus one special, as batching
+    counts it); accumulation cuts the batch into ``accum_steps`` micro-batches, the largest of which is planned."""
+    src_len, tgt_len = longest_src + 1, longest_tgt + 1
+    size = max(longest_src, longest_tgt) + 1
+    pairs = max(1, max_tokens // size) if max_tokens else batch_size
+    accum = min(accum_steps, pairs)
+    return StepShape(pairs=-(-pairs // accum), src_len=src_len, tgt_len=tgt_len, accum_steps=accum)
+
+
+@dataclass
+class Estimate:
+    peak_bytes: int
+    by_category: dict[str, int]  # bytes of each category at the peak
+    forward_delta: int  # growth of live memory during the first micro-batch's forward pass
+    backward_delta: int  # growth (negative: release) during its backward pass
+    parameters: int  # number of parameters
+    shape: StepShape
+    seconds: float  # how long the estimate took
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak_bytes / MiB
+
+    def split_mb(self) -> dict[str, float]:
+        return {k: round(self.by_category.get(k, 0) / MiB, 1) for k in CATEGORIES}
+
+    def fits(self, gpu_gb: float, overhead: float = 0.10, context_gb: float = 0.5) -> bool:
+        return self.required_gb(overhead, context_gb) <= gpu_gb
+
+    def required_gb(self, overhead: float = 0.10, context_gb: float = 0.5) -> float:
+        """What a card must have: the estimate plus ``overhead`` for the allocator's rounding and fragmentation,
+        plus the CUDA context."""
+        return self.peak_bytes * (1 + overhead) / GiB + context_gb
+
+
+class _EveryPositionIsReal(TorchDispatchMode):
+    """Under fake tensors, the positions that are not padding (``nonzero`` of the target mask) are all of them:
+    the planned batch has no padding."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.nonzero.default:
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        return func(*args, **(kwargs or {}))
+
+
+class _Ledger:
+    """Live bytes before and after the first micro-batch's forward and backward (``Trainer.step`` hooks)."""
+
+    def __init__(self, tracker: TensorMemoryTracker):
+        self.tracker = tracker
+        self.marks: dict[str, int] = {}
+
+    def __call__(self, point: str) -> None:
+        self.marks.setdefault(point, self.tracker.live)
+
+
+def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, label_smoothing: float = 0.1,
+                  clip_grad_norm: float | None = 1.0) -> Estimate:
+    """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    started = time.perf_counter()
+    # fp16 and bf16 store the same bytes; the GradScaler's own state is a few scalars (and reads them back to the
+    # host, which fake tensors cannot), so the plan runs fp16 as bf16.
+    planned = dataclasses.replace(strategy, amp="bf16") if strategy.amp == "fp16" else strategy
+    device = torch.device("cpu")
+    with FakeTensorMode(), _EveryPositionIsReal():
+        model = Transformer(args)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
+        trainer = Trainer(model, optimizer, scheduler, planned, device, args.pad_id, label_smoothing, clip_grad_norm)
+        # Two equal micro-batches show all accumulation does to memory (the gradients held between micro-batches);
+        # more of them repeat the second one.
+        micro = [_fake_batch(shape, args) for _ in range(min(shape.accum_steps, 2))]
+        trainer.step(micro)  # creates Adam's state, as every step after the first has it
+        tracker = TensorMemoryTracker("cpu")
+        tracker.watch(model)
+        tracker.track([t for state in optimizer.state.values() for t in state.values()], category="optimizer")
+        ledger = _Ledger(tracker)
+        trainer.ledger = ledger
+        with tracker:
+            trainer.step(micro)
+        tracker.unwatch()
+    marks = ledger.marks
+    return Estimate(
+        peak_bytes=tracker.peak,
+        by_category=dict(tracker.peak_by_category),
+        forward_delta=marks["forward_end"] - marks["forward_start"],
+        backward_delta=marks["backward_end"] - marks["forward_end"],
+        parameters=sum(p.numel() for p in model.parameters()),
+        shape=shape,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _fake_batch(shape: StepShape, args: ModelArgs) -> Batch:
+    b, s, t = shape.pairs, shape.src_len, shape.tgt_len
+    src = torch.empty((b, s), dtype=torch.long)
+    tgt_in = torch.empty((b, t), dtype=torch.long)
+    tgt_out = torch.empty((b, t), dtype=torch.long)
+    return Batch(src, tgt_in, tgt_out, b * s, b * t)
+
+
+def cost_note(strategy: MemoryStrategy) -> str:
+    """What a strategy is expected to cost in speed (measured in experiments/memory_strategies and memory_sweep)."""
+    notes = []
+    if strategy.amp:
+        notes.append("amp: faster where the device multiplies bf16/fp16 natively")
+    if strategy.accum_steps > 1:
+        notes.append("accum: slower once micro-batches no longer fill the device")
+    if strategy.checkpoint:
+        notes.append("checkpoint: one more forward per layer (20-35% slower)")
+    if strategy.loss_chunk:
+        notes.append("chunked_ce: one more output projection, padding skipped")
+    if strategy.truncates:
+        notes.append("truncate: cut tokens cost BLEU")
+    if strategy.max_tokens:
+        notes.append("tokens: less padding")
+    return "; ".join(notes) or "baseline"
+
+
+def fmt_gb(x: float) -> str:
+    return f"{x:.2f}" if math.isfinite(x) else "-"
+
+
+def longest_pair(split) -> tuple[int, int]:
+    """The longest source and target of a split, in tokens (no specials)."""
+    return max(len(s) for s in split.src), max(len(t) for t in split.tgt)
+
+
+def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
+                    budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
+                    clip_grad_norm: float | None = 1.0) -> tuple[MemoryStrategy, Estimate, list[dict]]:
+    """The least costly strategy whose worst-case step needs at most ``budget_bytes``: more accumulation first
+    (the effective batch stays the same), then amp with accumulation, then amp, checkpointing and accumulation.
+    Returns it, its estimate, and every setting tried with its estimated peak."""
+    base = dataclasses.replace(strategy, auto=True)
+    stages = [{}]
+    if not base.amp:
+        stages.append({"amp": amp})
+    if not base.checkpoint:
+        stages.append({**stages[-1], "checkpoint": True})
+    tried: list[dict] = []
+    # the least memory any candidate can need: the last stage with micro-batches of one pair; if even that does
+    # not fit, say so at once
+    lowest = dataclasses.replace(base, accum_steps=10**9, **stages[-1])
+    shape = worst_case_shape(longest_src, longest_tgt, batch_size, lowest.max_tokens, lowest.accum_steps)
+    floor = estimate_step(args, dataclasses.replace(lowest, accum_steps=shape.accum_steps),
+                          dataclasses.replace(shape, accum_steps=1), label_smoothing, clip_grad_norm)
+    if floor.peak_bytes > budget_bytes:
+        raise ConfigError(
+            f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
+            f"{dataclasses.replace(lowest, accum_steps=shape.accum_steps).label} with micro-batches of one pair, "
+            f"needs an estimated {floor.peak_mb:,.0f} MiB before overheads"
+        )
+    for extra in stages:
+        accum = base.accum_steps
+        while True:
+            candidate = dataclasses.replace(base, accum_steps=accum, **extra)
+            shape = worst_case_shape(longest_src, longest_tgt, batch_size, candidate.max_tokens, accum)
+            est = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm)
+            tried.append({"strategy": candidate.label, "accum_steps": shape.accum_steps, "pairs": shape.pairs,
+                          "estimate_mb": round(est.peak_mb, 1)})
+            if est.peak_bytes <= budget_bytes:
+                return candidate, est, tried
+            if shape.pairs == 1:
+                break
+            accum = shape.accum_steps * 2
+    raise AssertionError("unreachable: the smallest candidate fits")

@@ -1,0 +1,175 @@
+"""The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.data.batching import Batch
+from src.memory import MemoryStrategy, TensorMemoryTracker
+from src.model import ModelArgs, Transformer
+from src.planner import StepShape, estimate_step, worst_case_shape
+from src.run import train
+from src.trainer import Trainer, inverse_sqrt_schedule
+
+from .conftest import FAST, compose_config
+from .helpers import run_cli
+
+TINY = dict(d_model=128, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2)
+SMALL = dict(d_model=256, n_heads=4, d_ff=1024, encoder_layers=4, decoder_layers=4)
+BASE = dict(d_model=512, n_heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6)
+XLMR = 250_002
+
+
+def real_step_peak(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape) -> int:
+    """Peak tracked bytes of a real CPU training step (the second, so Adam's state exists) on a batch of this
+    shape with no padding: what the planner claims to predict."""
+    torch.manual_seed(0)
+    model = Transformer(args)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4))
+    trainer = Trainer(model, opt, sched, strategy, torch.device("cpu"), args.pad_id, 0.1, 1.0)
+
+    def batch() -> Batch:
+        b, s, t = shape.pairs, shape.src_len, shape.tgt_len
+        src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
+        return Batch(src, tgt_in, tgt_out, b * s, b * t)
+
+    micro = [batch() for _ in range(shape.accum_steps)]
+    trainer.step(micro)
+    tracker = TensorMemoryTracker("cpu")
+    tracker.watch(model)
+    tracker.track([t for state in opt.state.values() for t in state.values()], category="optimizer")
+    with tracker:
+        trainer.step(micro)
+    tracker.unwatch()
+    return tracker.peak
+
+
+CASES = [
+    # model, vocabularies (src, tgt, shared), strategy, batch shape
+    ("tiny spacy none", TINY, (300, 250, False), MemoryStrategy(), StepShape(16, 21, 19)),
+    ("tiny xlmr chunked_ce", TINY, (XLMR, XLMR, True), MemoryStrategy(loss_chunk=64), StepShape(4, 17, 15)),
+    ("small spacy amp", SMALL, (8014, 6191, False), MemoryStrategy(amp="bf16"), StepShape(8, 25, 23)),
+    ("small spacy accum+checkpoint", SMALL, (8014, 6191, False), MemoryStrategy(accum_steps=2, checkpoint=True),
+     StepShape(4, 25, 23, accum_steps=2)),
+    ("base spacy none", BASE, (8014, 6191, False), MemoryStrategy(), StepShape(4, 17, 16)),
+    ("base xlmr amp+chunked_ce", BASE, (XLMR, XLMR, True), MemoryStrategy(amp="bf16", loss_chunk=32),
+     StepShape(2, 16, 16)),
+]
+
+
+@pytest.mark.parametrize("name,dims,vocab,strategy,shape", CASES, ids=[c[0] for c in CASES])
+def test_planner_matches_a_real_step_within_10_percent(name, dims, vocab, strategy, shape):
+    args = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
+    est = estimate_step(args, strategy, shape)
+    real = real_step_peak(args, strategy, shape)
+    assert abs(est.peak_bytes - real) <= 0.10 * real, (name, est.peak_bytes / 2**20, real / 2**20)
+    assert sum(est.by_category.values()) == est.peak_bytes
+    assert est.forward_delta > 0
+
+
+def test_planner_for_model_base_takes_seconds():
+    args = ModelArgs(src_vocab=XLMR, tgt_vocab=XLMR, pad_id=1, share_vocab=True, **BASE)
+    started = time.perf_counter()
+    est = estimate_step(args, MemoryStrategy(), StepShape(8, 256, 256))
+    assert time.perf_counter() - started < 30
+    # the classic case: 8 x 256 target positions x 250,002 pieces x 4 bytes of logits, 1.9 GiB, and their
+    # gradients dominate; attention (inside the activations) does not
+    split = est.split_mb()
+    assert split["logits"] >= 8 * 256 * XLMR * 4 / 2**20 - 1
+    assert split["logits"] + split["backward"] > split["activations"]
+
+
+def test_worst_case_shape_follows_the_batching_rules():
+    assert worst_case_shape(40, 30, 128, None, 1) == StepShape(128, 41, 31, 1)
+    assert worst_case_shape(40, 30, 128, None, 4) == StepShape(32, 41, 31, 4)
+    assert worst_case_shape(40, 30, 128, None, 3) == StepShape(43, 41, 31, 3)  # the largest micro-batch
+    # a token budget of 2048 holds 2048 // 41 = 49 pairs of the longest size (the longer side plus one)
+    assert worst_case_shape(40, 30, 128, 2048, 1) == StepShape(49, 41, 31, 1)
+    assert worst_case_shape(40, 30, 128, 2048, 2) == StepShape(25, 41, 31, 2)
+
+
+def test_plan_command_prints_the_split_and_the_verdict(tmp_path):
+    common = ["model=base", "tokenizer=xlmr", "plan.src_len=255", "plan.tgt_len=255", f"plan.src_vocab={XLMR}",
+              f"plan.tgt_vocab={XLMR}", "data.batch_size=8", "plan.gpu_gb=12"]
+    proc = run_cli("plan.py", *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "1 micro-batch(es) of 8 pairs, 256 source and 256 target positions" in out
+    assert "does NOT fit a 12 GB card" in out and "logits" in out
+    proc = run_cli("plan.py", "-m", "memory=none,[amp,checkpoint,chunked_ce]", *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [r.split(" | ")[0] for r in rows] == ["| amp+checkpoint+chunked_ce", "| none"]  # ranked by peak
+    assert rows[0].split(" | ")[-2] == "yes" and rows[1].split(" | ")[-2] == "**no**"
+
+
+def test_plan_command_bad_override_is_one_line():
+    proc = run_cli("plan.py", "memory.accum_steps=0", "plan.src_len=10", "plan.tgt_len=10", "plan.src_vocab=50",
+                   "plan.tgt_vocab=50")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: memory.accum_steps=0: must be an integer >= 1"]
+
+
+# ------------------------------------------------------------------------------------------ memory=auto
+
+
+LONG = ["data.train_size=600", "data.long_fraction=0.05", "data.batch_size=32", "trainer.max_steps=4",
+        "trainer.eval_every=4", "trainer.log_every=1"]
+
+
+@pytest.mark.slow
+def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path):
+    plain = train(fast_cfg(*LONG))
+    budget_gb = round(plain["peak_memory_mb"] / 2 / 1024, 3)  # half of what the plain run needed
+    summary = train(compose_config(*FAST, *LONG, "memory=auto", f"memory.budget_gb={budget_gb}",
+                                   run_dir=tmp_path / "auto", cache_dir=tmp_path / "cache"))
+    auto = summary["auto"]
+    assert auto["tried"][0]["strategy"] == "auto(none)" and auto["tried"][0]["estimate_mb"] > budget_gb * 1024
+    assert auto["estimate_mb"] <= auto["usable_mb"] <= budget_gb * 1024
+    assert summary["strategy"] == auto["chosen"] != "auto(none)"
+    assert summary["peak_memory_mb"] <= budget_gb * 1024  # the real run's tracked peak stays under the budget
+    assert summary["batch_size"] == plain["batch_size"]  # the effective batch is what the config asked for
+    assert summary["tgt_tokens"] == plain["tgt_tokens"]
+
+
+def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
+    from src.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"memory.budget_gb=None: memory=auto needs the memory budget"):
+        train(fast_cfg("memory=auto"))
+    with pytest.raises(ConfigError, match=r"memory.budget_gb=0.001: no setting fits; the smallest"):
+        train(fast_cfg("memory=auto", "memory.budget_gb=0.001"))
+
+
+# ------------------------------------------------------------------------------------- out-of-memory back-off
+
+
+def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_path):
+    plain = train(fast_cfg())
+    cfg = compose_config(*FAST, "fault.kind=oom", "fault.at_step=3", run_dir=tmp_path / "oom",
+                         cache_dir=tmp_path / "cache")
+    backed_off = train(cfg)
+    assert backed_off["status"] == "completed"
+    assert backed_off["steps"] == plain["steps"]
+    assert (backed_off["src_tokens"], backed_off["tgt_tokens"]) == (plain["src_tokens"], plain["tgt_tokens"])
+    assert backed_off["batch_size"] == plain["batch_size"]
+    assert backed_off["final_accum_steps"] == 2 and plain["final_accum_steps"] == 1
+    assert [(b["step"], b["accum_steps"]) for b in backed_off["oom_backoffs"]] == [(3, 2)]
+    assert "Tried to allocate" in backed_off["oom_backoffs"][0]["error"]
+    rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 3, "oom_backoffs": 1, "accum_steps": 2} in rows
+
+
+def test_oom_back_off_gives_up_with_a_snapshot(fast_cfg):
+    cfg = fast_cfg("fault.kind=oom", "fault.at_step=2", "fault.times=99", "memory.oom_retries=2")
+    with pytest.raises(torch.OutOfMemoryError, match=r"out of memory at step 2 .* after 2 back-off\(s\)"):
+        train(cfg)
+    run = Path(cfg.paths.output_dir)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "oom" and "memory snapshot" in summary["error"]
+    snapshot = json.loads((run / "oom_snapshot.json").read_text())
+    assert snapshot["live_mb"]["parameters"] > 0
