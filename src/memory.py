@@ -228,51 +228,106 @@ class TensorMemoryTracker(TorchDispatchMode):
 
 
 class PeakMemory:
-    """Peak tensor memory of a run's training steps: CUDA's allocator statistics, or the tracker on the CPU.
+    """The memory ledger of a run's training steps: CUDA's allocator statistics, or the tracker on the CPU.
 
-    Read in windows (one per log line); ``skip_window`` drops what happened outside training (evaluation)."""
+    A sampled step (every step on CUDA, where the figures are free; every ``every``-th on the CPU, where counting
+    costs time; always the first, which creates the optimizer state) reports its peak, the split of that peak by
+    category (CPU), the growth of live memory during the first micro-batch's forward and backward passes
+    (``mark``, called by ``Trainer.step``) and, on CUDA, the allocator's allocated and reserved bytes and their
+    difference, the fragmentation. Peaks are also kept per window (one per log line; ``skip_window`` drops what
+    happened outside training, such as evaluation) and for the run.
+    """
 
-    def __init__(self, device: torch.device, track_cpu: bool = True):
+    def __init__(self, device: torch.device, track_cpu: bool = True, every: int = 1):
         self.device = device
-        self.tracker = TensorMemoryTracker(device.type) if device.type != "cuda" and track_cpu else None
+        self.cuda = device.type == "cuda"
+        self.tracker = TensorMemoryTracker(device.type) if not self.cuda and track_cpu else None
+        self.every = max(1, int(every))
         self.run_peak = 0
         self.run_reserved = 0
         self.run_peak_by_category: dict[str, int] = {}
+        self.run_max_delta = {"forward": 0, "backward": 0}
+        self.window_peak = 0
+        self.window_sampled = False
+        self.last: dict[str, float] = {}  # the ledger of the window's last sampled step, in MiB
+        self._marks: dict[str, int] | None = None
         self._recording = False
 
     @property
     def available(self) -> bool:
-        return self.device.type == "cuda" or self.tracker is not None
+        return self.cuda or self.tracker is not None
 
     def watch(self, model: torch.nn.Module) -> None:
         if self.tracker is not None:
             self.tracker.watch(model)
 
-    def measure(self):
-        """Context for the code whose memory is measured (a training step)."""
-        return self.tracker if self.tracker is not None else contextlib.nullcontext()
+    def _live(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else self.tracker.live
 
-    def window_peak_mb(self) -> float | None:
-        """Peak since the last call, in MiB; starts a new window."""
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.run_reserved = max(self.run_reserved, torch.cuda.max_memory_reserved(self.device))
+    def mark(self, point: str) -> None:
+        """``Trainer.step``'s ledger hook: live bytes at the first micro-batch's forward start and end and its
+        backward end."""
+        if self._marks is not None:
+            self._marks.setdefault(point, self._live())
+
+    @contextlib.contextmanager
+    def measure(self, step: int = 1):
+        """Context for training step ``step`` (1-based); measured if it is sampled."""
+        if not self.available or (not self.cuda and (step - 1) % self.every):
+            yield
+            return
+        self._marks = {}
+        if self.cuda:
+            self.window_peak = max(self.window_peak, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.tracker is not None:
+        else:
+            self.tracker.reset_peak()
+        try:
+            with self.tracker if self.tracker is not None else contextlib.nullcontext():
+                yield
+        finally:
+            marks, self._marks = self._marks, None
+        self._record(marks)
+
+    def _record(self, marks: dict[str, int]) -> None:
+        mib = 2**20
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            allocated, now_reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            self.run_reserved = max(self.run_reserved, reserved)
+            self.last = {"cuda_allocated_mb": allocated / mib, "cuda_reserved_mb": now_reserved / mib,
+                         "cuda_fragmentation_mb": (now_reserved - allocated) / mib, "cuda_peak_reserved_mb": reserved / mib}
+        else:
             peak = self.tracker.peak
+            self.last = {f"mem_{k}_mb": v / mib for k, v in self.tracker.peak_by_category.items()}
             if peak > self.run_peak:
                 self.run_peak_by_category = dict(self.tracker.peak_by_category)
-            self.tracker.reset_peak()
-        else:
-            return None
+        self.last["step_peak_mb"] = peak / mib
+        if {"forward_start", "forward_end", "backward_end"} <= marks.keys():
+            forward = marks["forward_end"] - marks["forward_start"]
+            backward = marks["backward_end"] - marks["forward_end"]
+            self.last.update(mem_forward_delta_mb=forward / mib, mem_backward_delta_mb=backward / mib)
+            self.run_max_delta = {"forward": max(self.run_max_delta["forward"], forward),
+                                  "backward": max(self.run_max_delta["backward"], backward)}
+        self.window_peak = max(self.window_peak, peak)
+        self.window_sampled = True
         self.run_peak = max(self.run_peak, peak)
-        return peak / 2**20
+
+    def window_metrics(self) -> dict[str, float]:
+        """The window's peak and the last sampled step's ledger, in MiB (rounded); starts a new window."""
+        if not self.window_sampled:
+            return {}
+        if self.cuda:
+            self.window_peak = max(self.window_peak, torch.cuda.max_memory_allocated(self.device))
+        metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last}
+        self.window_peak, self.window_sampled, self.last = 0, False, {}
+        return {k: round(v, 1) for k, v in metrics.items()}
 
     def skip_window(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.tracker is not None:
-            self.tracker.reset_peak()
+        self.window_peak, self.window_sampled, self.last = 0, False, {}
 
     def run_peak_mb(self) -> float | None:
         return self.run_peak / 2**20 if self.available else None
@@ -283,8 +338,14 @@ class PeakMemory:
             return None
         return {k: round(v / 2**20, 1) for k, v in self.run_peak_by_category.items()}
 
+    def run_deltas_mb(self) -> dict[str, float] | None:
+        """The largest growth of live memory seen during one forward pass and one backward pass, in MiB."""
+        if not self.available:
+            return None
+        return {k: round(v / 2**20, 1) for k, v in self.run_max_delta.items()}
+
     def run_reserved_mb(self) -> float | None:
-        return self.run_reserved / 2**20 if self.device.type == "cuda" else None
+        return self.run_reserved / 2**20 if self.cuda else None
 
     def record_history(self) -> None:
         """CUDA: start recording allocations and their stack traces (what ``snapshot`` shows)."""

@@ -149,6 +149,58 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     )
 
 
+def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
+                 label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0) -> dict[str, int]:
+    """What ``estimate_step`` predicts, measured: a real training step (the second, after Adam's state exists)
+    on a random batch of ``shape`` with no padding. On the CPU the tracker's peak; on CUDA the allocator's
+    ``max_memory_allocated`` and ``max_memory_reserved`` during the step."""
+    torch.manual_seed(0)
+    model = Transformer(args).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
+    trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm)
+
+    def batch() -> Batch:
+        b, s, t = shape.pairs, shape.src_len, shape.tgt_len
+        src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
+        return Batch(src, tgt_in, tgt_out, b * s, b * t)
+
+    micro = [batch() for _ in range(shape.accum_steps)]
+    trainer.step(micro)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.step(micro)
+        torch.cuda.synchronize(device)
+        return {"peak": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
+    tracker = TensorMemoryTracker(device.type)
+    tracker.watch(model)
+    tracker.track([t for state in optimizer.state.values() for t in state.values()], category="optimizer")
+    with tracker:
+        trainer.step(micro)
+    tracker.unwatch()
+    return {"peak": tracker.peak}
+
+
+TINY = dict(d_model=128, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2)
+SMALL = dict(d_model=256, n_heads=4, d_ff=1024, encoder_layers=4, decoder_layers=4)
+BASE = dict(d_model=512, n_heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6)
+XLMR_VOCAB = 250_002
+
+# The configurations the planner is checked on (tests/test_planner.py on the CPU, experiments/planner on a GPU):
+# name, model, vocabularies (source, target, shared), strategy, batch shape.
+VALIDATION_CASES = [
+    ("tiny spacy none", TINY, (300, 250, False), MemoryStrategy(), StepShape(16, 21, 19)),
+    ("tiny xlmr chunked_ce", TINY, (XLMR_VOCAB, XLMR_VOCAB, True), MemoryStrategy(loss_chunk=64), StepShape(4, 17, 15)),
+    ("small spacy amp", SMALL, (8014, 6191, False), MemoryStrategy(amp="bf16"), StepShape(8, 25, 23)),
+    ("small spacy accum+checkpoint", SMALL, (8014, 6191, False), MemoryStrategy(accum_steps=2, checkpoint=True),
+     StepShape(4, 25, 23, accum_steps=2)),
+    ("base spacy none", BASE, (8014, 6191, False), MemoryStrategy(), StepShape(4, 17, 16)),
+    ("base xlmr amp+chunked_ce", BASE, (XLMR_VOCAB, XLMR_VOCAB, True), MemoryStrategy(amp="bf16", loss_chunk=32),
+     StepShape(2, 16, 16)),
+]
+
+
 def _fake_batch(shape: StepShape, args: ModelArgs) -> Batch:
     b, s, t = shape.pairs, shape.src_len, shape.tgt_len
     src = torch.empty((b, s), dtype=torch.long)

@@ -59,7 +59,8 @@ class Job:
         s, data = self.summary, self.config.get("data", {})
         max_tokens = s.get("max_tokens", data.get("max_tokens"))
         batch = s.get("batch_size") or data.get("batch_size")
-        accum = s.get("accum_steps") or self.config.get("memory", {}).get("accum_steps") or 1
+        accum = (s.get("final_accum_steps") or s.get("accum_steps") or self.config.get("memory", {}).get("accum_steps")
+                 or 1)
         text = f"{max_tokens:,} tokens" if max_tokens else f"{batch} pairs" if batch else "?"
         if accum > 1:
             micro = f"{-(-max_tokens // accum):,} tokens" if max_tokens else -(-batch // accum) if batch else "?"
@@ -145,6 +146,8 @@ def _fmt(x, digits: int = 1, thousands: bool = True) -> str:
 
 def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
+    if backoffs := job.summary.get("oom_backoffs"):
+        text += f" after {len(backoffs)} out-of-memory back-off(s)"
     error = job.summary.get("error")
     if error:
         text += ": " + error.replace("|", "\\|")[:120]

@@ -290,8 +290,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, device,
     )
 
-    peak = PeakMemory(device, track_cpu=tr.get("track_memory", True))
+    peak = PeakMemory(device, track_cpu=tr.get("track_memory", True), every=tr.get("memory_every", 1))
     peak.watch(model)
+    trainer.ledger = peak.mark
 
     def autocast():
         return strategy.autocast(device)
@@ -320,8 +321,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         metrics = window.flush()
         if metrics:
             metrics.update(lr=trainer.lr, epoch=epoch)
-            if (mb := peak.window_peak_mb()) is not None:
-                metrics["peak_memory_mb"] = round(mb, 1)
+            metrics.update(peak.window_metrics())
             logger.log(metrics, step)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
@@ -364,7 +364,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
             micro = micro_batches(train_split, indices, sizes, accum, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
             try:
-                with peak.measure():
+                with peak.measure(step + 1):
                     fault.maybe_raise(step + 1)
                     return trainer.step(micro)
             except torch.OutOfMemoryError as e:
@@ -431,6 +431,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "oom_backoffs": backoffs,
         "peak_memory_mb": _round(peak.run_peak_mb()),
         "peak_memory_split_mb": peak.run_peak_split_mb(),
+        "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
         "peak_reserved_mb": _round(peak.run_reserved_mb()),
         "best_step": best_step,
         "valid_bleu": valid_scores.get("bleu"),

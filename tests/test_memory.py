@@ -32,7 +32,7 @@ def test_tracker_sees_backward_and_state_added_by_hand():
         y = layer(x)  # 2 MiB output
         y.sum().backward()  # grad of the weight: 1 MiB
     assert layer.weight.grad is not None
-    mb = peak.window_peak_mb()
+    mb = peak.window_metrics()["peak_memory_mb"]
     assert 1 + 2 + 1 <= mb < 1 + 2 + 1 + 2.5  # weights + output + weight grad (+ the output's grad)
 
 
@@ -85,3 +85,27 @@ def test_peak_is_split_into_categories_that_add_up():
     assert split["optimizer"] == 2 * param_bytes + 4 * n_tensors  # exp_avg, exp_avg_sq, and a float step each
     assert split["logits"] > 0 and split["activations"] > 0 and split["backward"] > 0
     assert tracker.live_by_category["gradients"] == 0  # zero_grad(set_to_none=True) freed them
+
+
+def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
+    """trainer.memory_every=3: steps 1 and 4 are measured; their rows split the step's peak by category and
+    give the forward growth and the backward change; other rows carry no memory figures."""
+    import json
+    from pathlib import Path
+
+    from src.run import train
+
+    cfg = fast_cfg("trainer.memory_every=3", "trainer.log_every=1", "trainer.eval_every=6")
+    summary = train(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    train_rows = {r["step"]: r for r in rows if "loss" in r}
+    assert sorted(s for s, r in train_rows.items() if "step_peak_mb" in r) == [1, 4]
+    assert all("peak_memory_mb" not in train_rows[s] for s in (2, 3, 5, 6))
+    for s in (1, 4):
+        r = train_rows[s]
+        split = sum(r[f"mem_{c}_mb"] for c in CATEGORIES)
+        assert abs(split - r["step_peak_mb"]) <= 0.1 * len(CATEGORIES)  # rounding of each figure to 0.1
+        assert r["mem_forward_delta_mb"] > 0 and r["mem_parameters_mb"] > 0
+        assert r["mem_forward_delta_mb"] + r["mem_backward_delta_mb"] < r["mem_forward_delta_mb"]
+    assert summary["peak_memory_mb"] == max(train_rows[s]["step_peak_mb"] for s in (1, 4))
+    assert summary["memory_delta_mb"]["forward"] >= train_rows[4]["mem_forward_delta_mb"]

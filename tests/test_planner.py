@@ -7,79 +7,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.data.batching import Batch
-from src.memory import MemoryStrategy, TensorMemoryTracker
-from src.model import ModelArgs, Transformer
-from src.planner import StepShape, estimate_step, worst_case_shape
+from src.memory import MemoryStrategy
+from src.model import ModelArgs
+from src.planner import BASE, VALIDATION_CASES, XLMR_VOCAB, StepShape, estimate_step, measure_step, worst_case_shape
 from src.run import train
-from src.trainer import Trainer, inverse_sqrt_schedule
 
 from .conftest import FAST, compose_config
 from .helpers import run_cli
 
-TINY = dict(d_model=128, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2)
-SMALL = dict(d_model=256, n_heads=4, d_ff=1024, encoder_layers=4, decoder_layers=4)
-BASE = dict(d_model=512, n_heads=8, d_ff=2048, encoder_layers=6, decoder_layers=6)
-XLMR = 250_002
 
-
-def real_step_peak(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape) -> int:
-    """Peak tracked bytes of a real CPU training step (the second, so Adam's state exists) on a batch of this
-    shape with no padding: what the planner claims to predict."""
-    torch.manual_seed(0)
-    model = Transformer(args)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4))
-    trainer = Trainer(model, opt, sched, strategy, torch.device("cpu"), args.pad_id, 0.1, 1.0)
-
-    def batch() -> Batch:
-        b, s, t = shape.pairs, shape.src_len, shape.tgt_len
-        src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
-        return Batch(src, tgt_in, tgt_out, b * s, b * t)
-
-    micro = [batch() for _ in range(shape.accum_steps)]
-    trainer.step(micro)
-    tracker = TensorMemoryTracker("cpu")
-    tracker.watch(model)
-    tracker.track([t for state in opt.state.values() for t in state.values()], category="optimizer")
-    with tracker:
-        trainer.step(micro)
-    tracker.unwatch()
-    return tracker.peak
-
-
-CASES = [
-    # model, vocabularies (src, tgt, shared), strategy, batch shape
-    ("tiny spacy none", TINY, (300, 250, False), MemoryStrategy(), StepShape(16, 21, 19)),
-    ("tiny xlmr chunked_ce", TINY, (XLMR, XLMR, True), MemoryStrategy(loss_chunk=64), StepShape(4, 17, 15)),
-    ("small spacy amp", SMALL, (8014, 6191, False), MemoryStrategy(amp="bf16"), StepShape(8, 25, 23)),
-    ("small spacy accum+checkpoint", SMALL, (8014, 6191, False), MemoryStrategy(accum_steps=2, checkpoint=True),
-     StepShape(4, 25, 23, accum_steps=2)),
-    ("base spacy none", BASE, (8014, 6191, False), MemoryStrategy(), StepShape(4, 17, 16)),
-    ("base xlmr amp+chunked_ce", BASE, (XLMR, XLMR, True), MemoryStrategy(amp="bf16", loss_chunk=32),
-     StepShape(2, 16, 16)),
-]
-
-
-@pytest.mark.parametrize("name,dims,vocab,strategy,shape", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,dims,vocab,strategy,shape", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
 def test_planner_matches_a_real_step_within_10_percent(name, dims, vocab, strategy, shape):
     args = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
     est = estimate_step(args, strategy, shape)
-    real = real_step_peak(args, strategy, shape)
+    real = measure_step(args, strategy, shape, torch.device("cpu"))["peak"]
     assert abs(est.peak_bytes - real) <= 0.10 * real, (name, est.peak_bytes / 2**20, real / 2**20)
     assert sum(est.by_category.values()) == est.peak_bytes
     assert est.forward_delta > 0
 
 
 def test_planner_for_model_base_takes_seconds():
-    args = ModelArgs(src_vocab=XLMR, tgt_vocab=XLMR, pad_id=1, share_vocab=True, **BASE)
+    args = ModelArgs(src_vocab=XLMR_VOCAB, tgt_vocab=XLMR_VOCAB, pad_id=1, share_vocab=True, **BASE)
     started = time.perf_counter()
     est = estimate_step(args, MemoryStrategy(), StepShape(8, 256, 256))
     assert time.perf_counter() - started < 30
     # the classic case: 8 x 256 target positions x 250,002 pieces x 4 bytes of logits, 1.9 GiB, and their
     # gradients dominate; attention (inside the activations) does not
     split = est.split_mb()
-    assert split["logits"] >= 8 * 256 * XLMR * 4 / 2**20 - 1
+    assert split["logits"] >= 8 * 256 * XLMR_VOCAB * 4 / 2**20 - 1
     assert split["logits"] + split["backward"] > split["activations"]
 
 
@@ -93,8 +48,8 @@ def test_worst_case_shape_follows_the_batching_rules():
 
 
 def test_plan_command_prints_the_split_and_the_verdict(tmp_path):
-    common = ["model=base", "tokenizer=xlmr", "plan.src_len=255", "plan.tgt_len=255", f"plan.src_vocab={XLMR}",
-              f"plan.tgt_vocab={XLMR}", "data.batch_size=8", "plan.gpu_gb=12"]
+    common = ["model=base", "tokenizer=xlmr", "plan.src_len=255", "plan.tgt_len=255", f"plan.src_vocab={XLMR_VOCAB}",
+              f"plan.tgt_vocab={XLMR_VOCAB}", "data.batch_size=8", "plan.gpu_gb=12"]
     proc = run_cli("plan.py", *common)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout

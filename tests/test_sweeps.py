@@ -123,7 +123,8 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     rows = markdown_rows((tmp_path / "report.md").read_text())
     assert [r.split(" | ")[0] for r in rows] == ["| 0", "| 1", "| 2", "| 3"]
     assert rows[0].endswith("| completed |")
-    assert "**out of memory**: CUDA out of memory" in rows[1] and "**failed**: RuntimeError" in rows[2]
+    assert "**out of memory**: out of memory at step 3" in rows[1] and "after 3 back-off(s)" in rows[1]
+    assert "**failed**: RuntimeError" in rows[2]
     assert "fault.kind=bogus" in rows[3]
     assert "fault.kind=oom" in rows[1]  # runs are named by what differs between the jobs
     png = image.imread(tmp_path / "report.png")

@@ -120,9 +120,14 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_run_reports_allocator_peaks(fast_cfg):
-    summary = train(fast_cfg("trainer.device=cuda", "memory=amp", "memory.amp=fp16"))
+    cfg = fast_cfg("trainer.device=cuda", "memory=amp", "memory.amp=fp16")
+    summary = train(cfg)
     assert summary["status"] == "completed" and summary["device"].startswith("cuda")
     assert 0 < summary["peak_memory_mb"] <= summary["peak_reserved_mb"]
+    ledger = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "cuda_allocated_mb" in r]
+    assert ledger
+    for r in ledger:  # fragmentation: reserved by the allocator but not allocated to a tensor
+        assert r["cuda_fragmentation_mb"] == pytest.approx(r["cuda_reserved_mb"] - r["cuda_allocated_mb"], abs=0.2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")

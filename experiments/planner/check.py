@@ -1,0 +1,70 @@
+"""The memory planner against measured training steps.
+
+    python experiments/planner/check.py                  # CPU: against the tensor tracker
+    python experiments/planner/check.py --device cuda    # GPU: against CUDA's max_memory_allocated / reserved
+
+For each configuration of src.planner.VALIDATION_CASES (tiny, small and base models; word and XLM-R-size
+vocabularies; several strategies), the planner's estimate on fake tensors next to a real step of the same batch.
+Writes results_<device>.md and results_<device>.json next to this file (or into --out). Needs torch only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from src.model import ModelArgs  # noqa: E402
+from src.planner import VALIDATION_CASES, estimate_step, measure_step  # noqa: E402
+
+MiB = 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=str(Path(__file__).parent))
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    for name, dims, vocab, strategy, shape in VALIDATION_CASES:
+        margs = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
+        est = estimate_step(margs, strategy, shape)
+        t0 = time.perf_counter()
+        real = measure_step(margs, strategy, shape, device)
+        row = {"case": name, "shape": f"{shape.accum_steps} x {shape.pairs} pairs, {shape.src_len}/{shape.tgt_len}",
+               "estimate_mb": round(est.peak_mb, 1), "measured_mb": round(real["peak"] / MiB, 1),
+               "error_pct": round(100 * (est.peak_bytes - real["peak"]) / real["peak"], 2),
+               "planner_s": round(est.seconds, 2), "real_step_s": round(time.perf_counter() - t0, 2)}
+        if "reserved" in real:
+            row["reserved_mb"] = round(real["reserved"] / MiB, 1)
+        rows.append(row)
+        print(row, flush=True)
+    what = "CUDA max_memory_allocated" if device.type == "cuda" else "tracked peak of a real CPU step"
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    lines = [f"Planner estimate against the {what}; {machine}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d')}.", "",
+             "| case | batch (micro-batches x pairs, src/tgt positions) | estimate (MiB) | measured (MiB) | error | "
+             + ("CUDA reserved (MiB) | " if device.type == "cuda" else "") + "planner (s) |",
+             "|---|---|---|---|---|" + ("---|" if device.type == "cuda" else "") + "---|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['shape']} | {r['estimate_mb']:,.1f} | {r['measured_mb']:,.1f} | "
+                     f"{r['error_pct']:+.2f}% | " + (f"{r['reserved_mb']:,.1f} | " if "reserved_mb" in r else "")
+                     + f"{r['planner_s']:.2f} |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"results_{device.type}.md").write_text("\n".join(lines) + "\n")
+    (out / f"results_{device.type}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
