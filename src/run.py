@@ -51,7 +51,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_corpus(data: dict, cache_dir: Path) -> Corpus:
+def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
     if name == "synthetic":
@@ -61,7 +61,7 @@ def load_corpus(data: dict, cache_dir: Path) -> Corpus:
         sizes = {"train": data["train_size"], "valid": data["valid_size"], "test": data["test_size"]}
         return load_synthetic(src, tgt, sizes, data["seed"], lengths)
     if name == "multi30k":
-        return load_multi30k(src, tgt, data.get("root"), cache_dir, data.get("url") or MULTI30K_URL)
+        return load_multi30k(src, tgt, data.get("root"), cache_dir, data.get("url") or MULTI30K_URL, download_ok)
     if name == "files":
         prefixes = {split: data.get(f"{split}_prefix") for split in ("train", "valid", "test")}
         return load_files(prefixes, src, tgt)
@@ -138,7 +138,10 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
     if not all(plan.get(k) for k in keys):
-        _, encoded, train_split, _ = prepare_data(conf, strategy)
+        try:
+            _, encoded, train_split, _ = prepare_data(conf, strategy, download_ok=False)
+        except DataError as e:
+            raise DataError(f"{e} (or give plan.src_len, plan.tgt_len, plan.src_vocab and plan.tgt_vocab)") from None
         measured = dict(zip(keys, (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))))
         shared = encoded.src_codec is encoded.tgt_codec
     src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in keys)
@@ -213,10 +216,11 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
-def prepare_data(conf: dict, strategy: MemoryStrategy) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
+def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
+                 ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
     """The corpus, its encoding (cached), the training split after truncation, and what was done to it."""
     cache_dir = Path(conf["paths"]["cache_dir"])
-    corpus = load_corpus(conf["data"], cache_dir)
+    corpus = load_corpus(conf["data"], cache_dir, download_ok)
     encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if strategy.trim_vocab:

@@ -128,3 +128,13 @@ def test_oom_back_off_gives_up_with_a_snapshot(fast_cfg):
     assert summary["status"] == "oom" and "memory snapshot" in summary["error"]
     snapshot = json.loads((run / "oom_snapshot.json").read_text())
     assert snapshot["live_mb"]["parameters"] > 0
+
+
+def test_plan_downloads_nothing(tmp_path):
+    """Without a local Multi30k, the planner says what to give instead of downloading."""
+    proc = run_cli("plan.py", "data=multi30k", "data.root=null", f"paths.cache_dir={tmp_path}",
+                   env_extra={"MULTI30K_ROOT": ""})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nothing is downloaded here" in lines[0] and "plan.src_len" in lines[0], lines
+    assert not (tmp_path / "multi30k").exists() or not any((tmp_path / "multi30k").iterdir())

@@ -162,7 +162,7 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0) 
     return dest
 
 
-def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str) -> Path:
+def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:
     if root is not None:  # a local copy: use it as is (plain or gzip-compressed)
         root = Path(root)
         if not root.is_dir():
@@ -174,19 +174,23 @@ def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: 
     cached = cache_dir / "multi30k" / filename
     if cached.is_file() and sha256(cached) == MULTI30K_SHA256[filename]:
         return cached
+    if not download_ok:
+        raise DataError(f"{filename}: not in the cache ({cached.parent}) and nothing is downloaded here; "
+                        "set data.root (or MULTI30K_ROOT) to a local copy")
     log.info("downloading %s/%s", url, filename)
     return download(f"{url}/{filename}", cached, MULTI30K_SHA256[filename])
 
 
-def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_dir: Path, url: str = MULTI30K_URL) -> Corpus:
+def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_dir: Path, url: str = MULTI30K_URL,
+                  download_ok: bool = True) -> Corpus:
     """Multi30k task 1 (Elliott et al., 2016): train (29,000), val (1,014) and test_2016_flickr (1,000)."""
     for key, lang in (("data.src_lang", src_lang), ("data.tgt_lang", tgt_lang)):
         if lang not in MULTI30K_LANGS:
             raise DataError(f"{key}={lang}: Multi30k task 1 has {', '.join(MULTI30K_LANGS)}")
     splits, description = {}, {"name": "multi30k"}
     for split, stem in MULTI30K_SPLITS.items():
-        src = multi30k_file(f"{stem}.{src_lang}.gz", root, cache_dir, url)
-        tgt = multi30k_file(f"{stem}.{tgt_lang}.gz", root, cache_dir, url)
+        src = multi30k_file(f"{stem}.{src_lang}.gz", root, cache_dir, url, download_ok)
+        tgt = multi30k_file(f"{stem}.{tgt_lang}.gz", root, cache_dir, url, download_ok)
         splits[split] = read_parallel(src, tgt)
         description[split] = [str(src.resolve()), str(tgt.resolve())]
     return Corpus(src_lang, tgt_lang, splits, description)
