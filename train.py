@@ -9,6 +9,7 @@ A single run that fails exits with status 1.
 
 import logging
 import math
+import signal
 import sys
 
 import hydra
@@ -28,6 +29,9 @@ def main(cfg: DictConfig) -> float:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         summary = train(cfg)
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: a checkpoint was written (summary: interrupted)
+        log.error("interrupted: %s", e)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     except Exception as e:  # summary.json and the W&B run already record it
         if isinstance(e, UserError):
             log.error("error: %s", e)  # one line naming the key, file or line

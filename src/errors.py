@@ -12,3 +12,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     pass
+
+
+class NumericalError(UserError):
+    """NaN or infinite losses or gradients beyond what trainer.on_nonfinite allows."""

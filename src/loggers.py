@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from .errors import ConfigError
+from .fileio import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,21 @@ class RunLogger:
         self._file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows logged after ``step`` (a resumed run trains those steps again)."""
+        self._file.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a row cut short by the crash
+        with atomic_path(self.path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
 
     def log_samples(self, step: int, sources: list[str], references: list[str], hypotheses: list[str]) -> None:
         """The first ``logger.wandb.samples`` validation translations, as a W&B table (nothing without W&B)."""

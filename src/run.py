@@ -8,9 +8,13 @@ checkpoint -> ``summary.json``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import random
+import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,12 +30,13 @@ from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_siz
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
-from .errors import ConfigError, DataError, UserError
+from .errors import ConfigError, DataError, NumericalError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import RunLogger, hydra_job, run_name
 from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
+from .state import Progress, find_resume, prune, rng_state, set_rng_state
 from .tokenizers import save_codecs
 from .trainer import Trainer, inverse_sqrt_schedule, paper_peak_lr
 
@@ -312,64 +317,82 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     if not max_steps and not max_epochs:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
-    best_path, last_path = run_dir / "checkpoints" / "best.pt", run_dir / "checkpoints" / "last.pt"
+    ckpt_dir = run_dir / "checkpoints"
+    best_path = ckpt_dir / "best.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
+    save_every = tr.get("save_every") or tr.get("eval_every")
+    on_nonfinite, max_nonfinite = tr.get("on_nonfinite", "skip"), tr.get("max_nonfinite", 10)
+    if on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
 
-    bar = tqdm(total=max_steps, disable=not tr.get("progress", True), desc=strategy.label, dynamic_ncols=True)
-    step = epoch = 0
-    best_bleu, best_step, last_eval_step = -1.0, 0, -1
+    p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device)
-    valid_scores: dict = {}
+    resumed = find_resume(conf.get("ckpt_path"), tr.get("resume"), ckpt_dir)
+    if resumed is not None:
+        path, ckpt = resumed
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        trainer.scaler.load_state_dict(ckpt["scaler"])
+        p = Progress(**ckpt["progress"])
+        window.load_totals(p.totals)
+        set_rng_state(ckpt["rng"])
+        logger.rewind(p.step)  # rows logged after the checkpoint are trained again
+        info["resumed_from"] = {"path": str(path), "step": p.step}
+        log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
+
+    bar = tqdm(total=max_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,
+               dynamic_ncols=True)
 
     def log_window() -> None:
         metrics = window.flush()
         if metrics:
-            metrics.update(lr=trainer.lr, epoch=epoch)
+            metrics.update(lr=trainer.lr, epoch=p.epoch)
             metrics.update(peak.window_metrics())
-            logger.log(metrics, step)
+            logger.log(metrics, p.step)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
 
+    def save(path: Path | None = None) -> None:
+        """A training checkpoint of everything needed to continue exactly from here."""
+        p.totals = window.totals()
+        state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+                     scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng_state(), **ckpt_meta)
+        save_checkpoint(path or ckpt_dir / f"step_{p.step:08d}.pt", **state)
+        if path is None:
+            prune(ckpt_dir, tr.get("keep_last", 3))
+
     def run_eval() -> None:
-        nonlocal best_bleu, best_step, last_eval_step, valid_scores
         log_window()  # the training steps so far count; evaluation is neither timed nor measured
-        last_eval_step = step
+        p.last_eval_step = p.step
         t0 = time.perf_counter()
         losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
                                  optim["label_smoothing"], autocast, strategy.loss_chunk)
         scores, hyps = evaluate("valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
-        logger.log(metrics, step)
+        logger.log(metrics, p.step)
         valid = corpus.splits["valid"]
-        logger.log_samples(step, valid.src, valid.tgt, hyps)
+        logger.log_samples(p.step, valid.src, valid.tgt, hyps)
         for i in range(min(tr.get("num_samples", 0), len(hyps))):
             log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
-        log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
-        state = dict(
-            model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-            scaler=trainer.scaler.state_dict(), step=step, epoch=epoch, valid_bleu=scores["bleu"], **ckpt_meta,
-        )
-        if scores["bleu"] > best_bleu:
-            best_bleu, best_step, valid_scores = scores["bleu"], step, scores
-            save_checkpoint(best_path, **state)
-        save_checkpoint(last_path, **state)
+        log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
+        if scores["bleu"] > p.best_bleu:
+            p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
+            save(best_path)
         peak.skip_window()
-
-    accum = strategy.accum_steps
-    backoffs: list[dict] = []
 
     def train_step(indices: list[int]):
         """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
         two for the rest of the run (twice the accumulation: the same examples, the same effective batch, the
         same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot."""
-        nonlocal accum
+        step = p.step + 1
         for attempt in range(strategy.oom_retries + 1):
-            micro = micro_batches(train_split, indices, sizes, accum, tgt_codec.pad_id, tgt_codec.bos_id,
+            micro = micro_batches(train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
             try:
-                with peak.measure(step + 1):
-                    fault.maybe_raise(step + 1)
+                with peak.measure(step):
+                    fault.maybe_raise(step, trainer)
                     return trainer.step(micro)
             except torch.OutOfMemoryError as e:
                 optimizer.zero_grad(set_to_none=True)
@@ -379,39 +402,64 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
                 if attempt == strategy.oom_retries or largest == 1:
                     snapshot = peak.snapshot(run_dir / "oom_snapshot")
                     raise torch.OutOfMemoryError(
-                        f"out of memory at step {step + 1} with micro-batches of up to {largest} pairs "
-                        f"(accum_steps {accum}) after {len(backoffs)} back-off(s): {reason}"
+                        f"out of memory at step {step} with micro-batches of up to {largest} pairs "
+                        f"(accum_steps {p.accum_steps}) after {len(p.backoffs)} back-off(s): {reason}"
                         + (f"; memory snapshot: {snapshot}" if snapshot else "")
                     ) from None
-                accum = min(accum * 2, len(indices))
-                backoffs.append({"step": step + 1, "accum_steps": accum, "error": reason})
+                p.accum_steps = min(p.accum_steps * 2, len(indices))
+                p.backoffs.append({"step": step, "accum_steps": p.accum_steps, "error": reason})
                 peak.record_history()  # from now on, so that a final failure comes with a useful snapshot
-                log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step + 1, reason, accum)
-                logger.log({"oom_backoffs": len(backoffs), "accum_steps": accum}, step + 1)
+                log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step, reason, p.accum_steps)
+                logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
         raise AssertionError("unreachable")
 
-    while True:
-        for indices in batches(epoch):
-            window.resume()
-            stats = train_step(indices)
-            window.add(stats)
-            step += 1
-            bar.update(1)
-            if step % tr["log_every"] == 0:
-                log_window()
-            if tr.get("eval_every") and step % tr["eval_every"] == 0:
-                run_eval()
-            if max_steps and step >= max_steps:
-                break
-        else:
-            epoch += 1
-            if not (max_epochs and epoch >= max_epochs):
-                continue
-        break
+    def check_finite(stats) -> None:
+        if not stats.nonfinite:
+            return
+        p.nonfinite_skips += 1
+        where = f"non-finite loss or gradient at step {p.step}"
+        if on_nonfinite == "stop":
+            raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
+        if p.nonfinite_skips > max_nonfinite:
+            raise NumericalError(f"{where}: {p.nonfinite_skips} steps skipped, more than trainer.max_nonfinite="
+                                 f"{max_nonfinite}; lower the learning rate, or check the data")
+        log.warning("%s: update skipped (%d so far; trainer.on_nonfinite=skip)", where, p.nonfinite_skips)
+        logger.log({"nonfinite_skips": p.nonfinite_skips}, p.step)
+
+    def done() -> bool:
+        return bool((max_steps and p.step >= max_steps) or (max_epochs and p.epoch >= max_epochs))
+
+    with stop_on_signals() as stop:
+        while not done():
+            for indices in batches(p.epoch)[p.batch_in_epoch:]:
+                window.resume()
+                stats = train_step(indices)
+                window.add(stats)
+                p.step += 1
+                p.batch_in_epoch += 1
+                bar.update(1)
+                check_finite(stats)
+                if p.step % tr["log_every"] == 0:
+                    log_window()
+                if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
+                    run_eval()
+                if save_every and p.step % save_every == 0:
+                    log_window()
+                    save()
+                if stop.signum is not None:
+                    log_window()
+                    save()
+                    raise Interrupted(stop.signum, p.step)
+                if done():
+                    break
+            else:
+                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
     bar.close()
     log_window()
-    if last_eval_step != step:
+    if p.last_eval_step != p.step:
         run_eval()
+    save()
+    step, best_step, valid_scores, accum, backoffs = p.step, p.best_step, p.valid_scores, p.accum_steps, p.backoffs
 
     # The test set is translated once, by the checkpoint with the best validation BLEU.
     model.load_state_dict(load_checkpoint(best_path, device)["model"])
@@ -433,6 +481,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "final_accum_steps": accum,
         "oom_backoffs": backoffs,
+        "nonfinite_skips": p.nonfinite_skips,
         "peak_memory_mb": _round(peak.run_peak_mb()),
         "peak_memory_split_mb": peak.run_peak_split_mb(),
         "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
@@ -451,23 +500,61 @@ class Fault:
     """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
     failure mid-run, on any device, is recorded and handled as a real one would be."""
 
-    KINDS = ("oom", "error")
+    KINDS = ("oom", "error", "nan_loss", "sigterm", "kill")
 
     def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
         if kind is not None and kind not in self.KINDS:
-            raise ConfigError(f"fault.kind={kind}: expected null, {' or '.join(self.KINDS)}")
+            raise ConfigError(f"fault.kind={kind}: expected null, {', '.join(self.KINDS[:-1])} or {self.KINDS[-1]}")
         self.kind, self.at_step, self.times = kind, at_step, times
 
-    def maybe_raise(self, step: int) -> None:
-        """Raise on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
-        attempt)."""
+    def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:
+        """Act on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
+        attempt): raise ``oom`` or ``error``, make the step's loss NaN (``nan_loss``), or send this process SIGTERM
+        (``sigterm``: a preemption, handled after the step) or SIGKILL (``kill``: a crash, nothing handled)."""
         if self.kind is None or step != self.at_step or self.times <= 0:
             return
         self.times -= 1
         where = f"(fault injected at step {step} by fault.kind={self.kind})"
         if self.kind == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.91 GiB {where}")
-        raise RuntimeError(f"injected failure {where}")
+        if self.kind == "nan_loss":
+            trainer.inject_nonfinite = True
+        elif self.kind in ("sigterm", "kill"):
+            os.kill(os.getpid(), signal.SIGTERM if self.kind == "sigterm" else signal.SIGKILL)
+        else:
+            raise RuntimeError(f"injected failure {where}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stopped after a whole step and wrote a checkpoint to resume from."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint written; continue with "
+                         "trainer.resume=auto in the same run directory")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While training: SIGINT and SIGTERM (a SLURM preemption) ask the loop to stop after the current step; a
+    second SIGINT stops at once. Only in the main thread, where Python delivers signals."""
+    flag = type("Stop", (), {"signum": None})()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum, frame):
+        if flag.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.signum = signum
+        log.warning("%s received: stopping after this step", signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _fault_settings(conf: dict) -> dict:
@@ -508,6 +595,8 @@ class _Window:
             self._t0 = None
 
     def add(self, stats) -> None:
+        if stats.nonfinite:  # not an update: its NaN would poison the window's means
+            return
         self.steps += 1
         self.loss = self.loss + stats.loss_sum  # device tensors: no host sync per step
         self.nll = self.nll + stats.nll_sum
@@ -516,6 +605,15 @@ class _Window:
         self.src_tokens += stats.n_src_tokens
         self.padded += stats.n_padded
         self.skipped += stats.skipped
+
+    TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped")
+
+    def totals(self) -> dict:
+        return {k: getattr(self, k) for k in self.TOTALS}
+
+    def load_totals(self, totals: dict) -> None:
+        for k, v in totals.items():
+            setattr(self, k, v)
 
     def padding_ratio(self, total: bool = False) -> float:
         """Share of the source and target positions computed on that were padding."""

@@ -96,6 +96,7 @@ class StepStats:
     n_padded: int  # source and target positions including padding
     grad_norm: Tensor
     skipped: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the update
+    nonfinite: bool = False  # the loss or the gradients were NaN or infinite: no update (trainer.on_nonfinite)
 
 
 class Trainer:
@@ -119,6 +120,10 @@ class Trainer:
         # Called with "forward_start", "forward_end", "backward_end" around each micro-batch when set: how the
         # memory ledger sees the growth during forward and backward (src/memory.py, src/planner.py).
         self.ledger = None
+        # Check the loss and gradient norm for NaN / inf before each update (one host sync per step), and skip the
+        # update when they are not finite; the caller applies trainer.on_nonfinite.
+        self.check_finite = True
+        self.inject_nonfinite = False  # fault injection: the next step's loss becomes NaN
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         """One optimizer step over the micro-batches of one batch."""
@@ -133,6 +138,8 @@ class Trainer:
             mark("forward_start")
             with self.strategy.autocast(self.device):
                 loss_sum, nll_sum = batch_loss(model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk)
+            if self.inject_nonfinite:
+                loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
             mark("forward_end")
             with region("backward"):
                 scaler.scale(loss_sum / n_tokens).backward()
@@ -147,16 +154,20 @@ class Trainer:
                 grad_norm = torch.linalg.vector_norm(
                     torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
                 )
+            # fp16: the scaler skips steps with non-finite gradients itself (counted apart); the loss is checked here
+            finite = torch.isfinite(loss_total) if scaler.is_enabled() else torch.isfinite(loss_total + grad_norm)
+            nonfinite = self.check_finite and not bool(finite)
             scale_before = scaler.get_scale() if scaler.is_enabled() else None
-            scaler.step(opt)
+            if not nonfinite:
+                scaler.step(opt)
             scaler.update()
-        skipped = scaler.is_enabled() and scaler.get_scale() < scale_before
+        skipped = scaler.is_enabled() and scaler.get_scale() < scale_before and not nonfinite
         opt.zero_grad(set_to_none=True)
-        if not skipped:  # the schedule counts the optimizer steps actually taken
+        if not (skipped or nonfinite):  # the schedule counts the optimizer steps actually taken
             self.scheduler.step()
         n_src = sum(b.n_src_tokens for b in micro_batches)
         n_padded = sum(b.n_padded for b in micro_batches)
-        return StepStats(loss_total, nll_total, n_tokens, n_src, n_padded, grad_norm.detach(), skipped)
+        return StepStats(loss_total, nll_total, n_tokens, n_src, n_padded, grad_norm.detach(), skipped, nonfinite)
 
     @property
     def lr(self) -> float:

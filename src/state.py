@@ -1,0 +1,110 @@
+"""What a run needs to continue exactly where it stopped, and how to find it again.
+
+A training checkpoint (``checkpoints/step_<N>.pt``) holds the model, optimizer, schedule and GradScaler states,
+``Progress`` (step, epoch and position in the epoch's batch order, best validation score, accumulation after
+out-of-memory back-offs, skipped steps, the running totals of the summary), the random number generators
+(Python's and torch's, CPU and CUDA; numpy's is never used), and the model settings and resolved config. The
+batch order of an epoch is a function of (seed, epoch), so the position in it is enough to continue the data.
+
+Checkpoints are written atomically (``fileio.atomic_path``) and read with ``weights_only=True``; the last
+``trainer.keep_last`` are kept, with ``best.pt``. ``trainer.resume=auto`` takes the newest one that can be read,
+saying which ones it passed over; ``ckpt_path=...`` names one.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_checkpoint
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
+STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of ``epoch`` already trained
+    best_bleu: float = -1.0
+    best_step: int = 0
+    last_eval_step: int = -1
+    valid_scores: dict = field(default_factory=dict)
+    accum_steps: int = 1
+    backoffs: list = field(default_factory=list)
+    nonfinite_skips: int = 0
+    totals: dict = field(default_factory=dict)  # the training window's running totals (tokens, seconds, ...)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_tuples(x):
+    """``random.setstate`` wants the nested tuples ``getstate`` gave (a checkpoint may hand back lists)."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def step_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """The training checkpoints in a directory, newest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_FILE.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    for _, path in step_checkpoints(ckpt_dir)[max(1, keep):]:
+        path.unlink(missing_ok=True)
+
+
+def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from and its contents: ``ckpt_path`` if given, else with ``resume=auto`` the
+    newest readable one in ``ckpt_dir`` (None when there is none yet: a fresh start)."""
+    if ckpt_path:
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise ConfigError(f"ckpt_path={ckpt_path}: no such file")
+        try:
+            return path, load_checkpoint(path)
+        except Exception as e:
+            raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({_reason(e)})") from None
+    if resume in (None, "never"):
+        return None
+    if resume != "auto":
+        raise ConfigError(f"trainer.resume={resume}: expected auto or null")
+    for _, path in step_checkpoints(ckpt_dir):
+        try:
+            state = load_checkpoint(path)
+        except Exception as e:
+            log.warning("%s is unreadable (%s); trying the previous checkpoint", path, _reason(e))
+            continue
+        if "progress" not in state:
+            log.warning("%s is not a training checkpoint; trying the previous one", path)
+            continue
+        return path, state
+    return None
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -1,0 +1,119 @@
+"""Runs that survive: a run killed between checkpoints resumes exactly, SIGTERM leaves a resumable checkpoint, a
+truncated checkpoint is passed over, and NaN losses are skipped or stop the run."""
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.checkpoint import load_checkpoint
+from src.errors import ConfigError, NumericalError
+from src.run import train
+
+from .conftest import FAST, compose_config
+from .helpers import read_jsonl, run_cli
+
+# 24 steps of 16 pairs over 300 pairs (19 batches an epoch): the run crosses into a second epoch
+STEPS = ["trainer.max_steps=24", "trainer.log_every=1", "trainer.eval_every=24", "trainer.save_every=5"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
+
+
+def final_state(run: Path) -> dict:
+    return load_checkpoint(run / "checkpoints" / "step_00000024.pt")["model"]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path):
+    common = [*FAST, *STEPS, f"paths.cache_dir={tmp_path / 'cache'}"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    proc = run_cli("train.py", *common, f"hydra.run.dir={straight}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    proc = run_cli("train.py", *common, "fault.kind=kill", "fault.at_step=13", f"hydra.run.dir={killed}")
+    assert proc.returncode == -signal.SIGKILL  # no handler runs: the last checkpoint is step 10
+    assert max(losses(killed)) == 12 and not (killed / "summary.json").exists()
+    proc = run_cli("train.py", *common, "trainer.resume=auto", f"hydra.run.dir={killed}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 10 and summary["steps"] == 24
+
+    a, b = losses(straight), losses(killed)
+    assert sorted(a) == sorted(b) == list(range(1, 25))  # steps 11-12 were logged twice: the second time counts
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-6), step
+    sa, sb = final_state(straight), final_state(killed)
+    for name in sa:
+        torch.testing.assert_close(sb[name], sa[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert summary["tgt_tokens"] == json.loads((straight / "summary.json").read_text())["tgt_tokens"]
+
+
+@pytest.mark.slow
+def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli("train.py", *FAST, *STEPS, "fault.kind=sigterm", "fault.at_step=7", f"hydra.run.dir={run}",
+                   f"paths.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM at step 7: checkpoint written" in proc.stdout + proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    ckpt = load_checkpoint(run / "checkpoints" / "step_00000007.pt")
+    assert ckpt["progress"]["step"] == 7 and ckpt["progress"]["batch_in_epoch"] == 7
+    assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= ckpt.keys()
+
+
+def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, caplog):
+    cfg = fast_cfg("trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=6")
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt",
+                                                                "step_00000006.pt"]
+    newest = ckpts / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # a crash mid-copy, a full disk
+    with caplog.at_level(logging.WARNING):
+        summary = train(fast_cfg("trainer.max_steps=8", "trainer.save_every=2", "trainer.eval_every=8",
+                                 "trainer.resume=auto"))
+    assert summary["resumed_from"] == {"path": str(ckpts / "step_00000004.pt"), "step": 4}
+    assert any("step_00000006.pt is unreadable" in r.message and "trying the previous" in r.message
+               for r in caplog.records)
+    assert summary["steps"] == 8
+
+
+def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path):
+    cfg = fast_cfg("trainer.max_steps=6", "trainer.save_every=1", "trainer.keep_last=2", "trainer.eval_every=6")
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("*.pt")) == ["best.pt", "step_00000005.pt", "step_00000006.pt"]
+    other = compose_config(*FAST, "trainer.max_steps=7", "trainer.eval_every=7", f"ckpt_path={ckpts / 'step_00000005.pt'}",
+                           run_dir=tmp_path / "other", cache_dir=tmp_path / "cache")
+    summary = train(other)
+    assert summary["resumed_from"]["step"] == 5 and summary["steps"] == 7
+    with pytest.raises(ConfigError, match=r"^ckpt_path=/nonexistent.pt: no such file$"):
+        train(fast_cfg("ckpt_path=/nonexistent.pt"))
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy):
+    cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=3", f"trainer.on_nonfinite={policy}", "trainer.log_every=1")
+    if policy == "stop":
+        with pytest.raises(NumericalError, match=r"^non-finite loss or gradient at step 3; stopped"):
+            train(cfg)
+        summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+        assert summary["status"] == "failed" and "step 3" in summary["error"]
+        return
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["nonfinite_skips"] == 1 and summary["steps"] == 6
+    rows = read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl")
+    assert all(r["loss"] == r["loss"] for r in rows if "loss" in r)  # no NaN reached the logged means
+    assert {"step": 3, "nonfinite_skips": 1} in rows
+
+
+def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
+    cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=2", "fault.times=1", "trainer.max_nonfinite=0")
+    with pytest.raises(NumericalError, match=r"1 steps skipped, more than trainer.max_nonfinite=0"):
+        train(cfg)
