@@ -20,6 +20,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
+from src.config_check import check_command_line
 from src.errors import UserError
 from src.memory import CATEGORIES
 from src.planner import cost_note
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     rows = []
     try:
+        check_command_line(["-m", *args.overrides] if args.multirun else args.overrides)
         for job in jobs(args.overrides, args.multirun):
             conf = resolved(job)
             strategy, est, info = plan_config(conf)

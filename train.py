@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.config_check import check_command_line
 from src.errors import UserError
 from src.run import train
 
@@ -51,6 +52,11 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    try:
+        check_command_line(sys.argv[1:])  # a mistyped key, option or value: one line, before anything runs
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
     main()
     if failed_jobs:
         print(f"{len(failed_jobs)} sweep job(s) failed:", *(job for job, _ in failed_jobs), sep="\n  ", file=sys.stderr)

@@ -105,6 +105,9 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device):
 
 def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id: int) -> ModelArgs:
     fields = {k: v for k, v in model.items() if k != "name"}
+    d_model, n_heads = fields.get("d_model", 512), fields.get("n_heads", 8)
+    if isinstance(d_model, int) and isinstance(n_heads, int) and (n_heads < 1 or d_model % n_heads):
+        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
     try:
         return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
     except TypeError as e:

@@ -142,6 +142,45 @@ def test_download_verifies_sha256(http_root, tmp_path):
     assert not (tmp_path / "dl2" / "f.gz").exists() and not list((tmp_path / "dl2").glob(".*tmp"))
 
 
+def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_path, monkeypatch):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "train.de.gz").write_bytes(b"payload")
+    failures = {"left": 2}
+
+    class Flaky(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if failures["left"]:
+                failures["left"] -= 1
+                self.send_error(503, "busy")
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Flaky, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    good = hashlib.sha256(b"payload").hexdigest()
+    try:
+        assert download(f"{url}/train.de.gz", tmp_path / "dl" / "f.gz", good, backoff_s=0.01).read_bytes() == b"payload"
+        assert failures["left"] == 0  # two 503s, then success
+        # a cached file that no longer matches its SHA-256 is fetched again
+        monkeypatch.setattr(corpus_mod, "MULTI30K_SHA256", {**MULTI30K_SHA256, "train.de.gz": good})
+        cached = tmp_path / "cache" / "multi30k" / "train.de.gz"
+        cached.parent.mkdir(parents=True)
+        cached.write_bytes(b"payl")  # cut short
+        assert corpus_mod.multi30k_file("train.de.gz", None, tmp_path / "cache", url) == cached
+        assert cached.read_bytes() == b"payload"
+        started = time.perf_counter()
+        with pytest.raises(DataError, match=r"missing.gz \(File not found\)"):
+            download(f"{url}/missing.gz", tmp_path / "dl" / "m.gz", good, backoff_s=10)
+        assert time.perf_counter() - started < 5  # a 404 is not retried: it will not appear
+    finally:
+        server.shutdown()
+
+
 def test_multi30k_downloads_into_the_cache_once(http_root, tmp_path, monkeypatch):
     served, url = http_root
     make_multi30k(served)

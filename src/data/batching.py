@@ -71,7 +71,7 @@ def batch_indices(
 
     With ``shuffle``, the order is a function of ``(seed, epoch)`` alone, so a run is reproducible."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
     n = len(sizes)
     if shuffle:
         g = torch.Generator().manual_seed(seed * 100_003 + epoch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
+import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -143,23 +144,39 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0) -> Path:
-    """Fetch ``url`` into ``dest`` (atomically) and check its SHA-256."""
-    with atomic_path(dest) as tmp:
+def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, attempts: int = 3,
+             backoff_s: float = 0.5) -> Path:
+    """Fetch ``url`` into ``dest`` and check its SHA-256. A failed or corrupt transfer is started again, up to
+    ``attempts`` times, waiting ``backoff_s`` and then twice as long each time; a partial file never takes the
+    place of ``dest`` (written beside it, renamed only once complete and checked)."""
+    for attempt in range(1, attempts + 1):
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
-                while chunk := response.read(1 << 20):
-                    out.write(chunk)
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise DataError(
-                f"cannot download {url} ({reason}); without network, point data.root at a folder holding the "
-                "Multi30k raw files (train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)"
-            ) from None
-        got = sha256(tmp)
-        if got != expected_sha256:
-            raise DataError(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")
-    return dest
+            with atomic_path(dest) as tmp:
+                with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+                    while chunk := response.read(1 << 20):
+                        out.write(chunk)
+                got = sha256(tmp)
+                if got != expected_sha256:
+                    raise _Corrupt(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")
+            return dest
+        except (urllib.error.URLError, OSError, _Corrupt) as e:
+            permanent = isinstance(e, urllib.error.HTTPError) and e.code < 500  # 404 stays 404
+            if permanent or attempt == attempts:
+                if isinstance(e, _Corrupt):
+                    raise DataError(str(e)) from None
+                reason = getattr(e, "reason", e)
+                raise DataError(
+                    f"cannot download {url} ({reason}); without network, point data.root at a folder holding the "
+                    "Multi30k raw files (train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)"
+                ) from None
+            wait = backoff_s * 2 ** (attempt - 1)
+            log.warning("download of %s failed (%s); trying again in %.1f s", url, getattr(e, "reason", e), wait)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+class _Corrupt(Exception):
+    pass
 
 
 def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:

@@ -1,0 +1,127 @@
+"""Command-line overrides checked before anything runs, each problem as one line that names the key and the fix.
+
+Hydra reports a mistyped key or option over several lines and suggests appending it (``+model.dmodel=5``); a value
+of the wrong type (``trainer.max_steps=abc``) it accepts, and the run fails later. Here the overrides are composed
+first: a key that does not exist gets the closest existing one, an option that does not exist gets the list, and
+every value is checked against the type of the value it replaces (the defaults are the schema: an integer stays an
+integer, a number a number, a flag true or false; null defaults accept anything).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc",
+               "--resolve", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+               "-cd", "--experimental-rerun", "--version")
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Raise ``ConfigError`` for the first problem in ``train.py``'s overrides (each job's, with ``-m``)."""
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        return  # Hydra's own commands: leave them to Hydra
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if not a.startswith("-")]
+    for job in _jobs(overrides, multirun):
+        check_overrides(job)
+
+
+def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError(str(e).splitlines()[0] + " (overrides are key=value)") from None
+    if not multirun:
+        if any(o.is_sweep_override() for o in parsed):
+            sweep = next(o.input_line for o in parsed if o.is_sweep_override())
+            raise ConfigError(f"{sweep}: a list of values is a sweep; add -m (python train.py -m {sweep})")
+        return [overrides]
+    return BasicSweeper.split_arguments(parsed, None)[0]
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    try:
+        cfg = _compose(overrides)
+    except MissingConfigException as e:
+        found = re.search(r"Could not find '([^/']+)/([^']+)'", str(e))
+        if not found:
+            raise ConfigError(str(e).splitlines()[0]) from None
+        group, name = found.groups()
+        options = ", ".join(getattr(e, "options", None) or [])
+        raise ConfigError(f"{group}={name}: no such option; {group} is one of {options}") from None
+    except ConfigCompositionException as e:
+        key = getattr(e.__cause__, "full_key", None)
+        if key:
+            raise ConfigError(_unknown_key(key, overrides)) from None
+        raise ConfigError(str(e).splitlines()[0]) from None
+    # the values typed against the defaults of the same groups
+    groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and not o.startswith(("+", "~"))]
+    defaults = OmegaConf.to_container(_compose(groups), resolve=False)
+    given = OmegaConf.to_container(cfg, resolve=False)
+    for override in overrides:
+        key = override.split("=")[0].lstrip("+~")
+        if "." not in key and key in given and isinstance(given[key], dict):
+            continue  # a group choice
+        _check_type(key, _get(defaults, key), _get(given, key))
+
+
+def _unknown_key(key: str, overrides: list[str]) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = _get(OmegaConf.to_container(_compose([o for o in overrides if not o.startswith(key + "=")]),
+                                       resolve=False), parent) if parent else None
+    siblings = list(node) if isinstance(node, dict) else []
+    close = difflib.get_close_matches(leaf, siblings, n=1)
+    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
+        f"{parent} has {', '.join(siblings)}" if siblings else "no such key")
+    return f"{key}: no such key; {hint} (a new key is added with +{key}=...)"
+
+
+_MISSING = object()
+
+
+def _get(tree, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
+def _check_type(key: str, default, value) -> None:
+    if default is _MISSING or default is None or value is None or value is _MISSING:
+        return
+    if isinstance(value, str) and value.startswith("${"):
+        return  # an interpolation: checked when it resolves
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        shown = str(default).lower() if isinstance(default, bool) else default
+        raise ConfigError(f"{key}={value}: expected {want} (the default is {shown})")

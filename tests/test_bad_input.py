@@ -1,0 +1,153 @@
+"""Every kind of bad input in docs/bad_input.md, tried: each gives one line naming the key, file or line and what
+to do, before training starts. The table in the docs is checked against these cases, row for row."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.config_check import check_command_line
+from src.errors import UserError
+from src.run import train
+
+from .conftest import FAST, FAST_TRAIN, ROOT, compose_config
+from .helpers import run_cli
+
+DOC = ROOT / "docs" / "bad_input.md"
+
+# (what was tried, the overrides, the message's start); {data} is a folder of small parallel files
+COMMAND_LINE = [
+    ("mistyped key", ["model.dmodel=5"], "model.dmodel: no such key; did you mean model.d_model?"),
+    ("unknown option of a group", ["memory=amd"], "memory=amd: no such option; memory is one of accum, amp, auto"),
+    ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
+    ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
+    ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
+    ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
+]
+RUN = [
+    ("unknown memory setting added with +", ["+memory.acum_steps=2"],
+     "memory: MemoryStrategy.__init__() got an unexpected keyword argument 'acum_steps'"),
+    ("accumulation below 1", ["memory.accum_steps=0"], "memory.accum_steps=0: must be an integer >= 1"),
+    ("length limit below 1", ["memory.max_src_len=0"], "memory.max_src_len=0: must be an integer >= 1, or null"),
+    ("unknown amp dtype", ["memory.amp=fp8"], "memory.amp=fp8: expected bf16, fp16 or null"),
+    ("token budget below the longest pair", ["memory=tokens", "data.max_tokens=10"],
+     "data.max_tokens=10 is smaller than the longest training pair"),
+    ("batch size 0", ["data.batch_size=0"], "data.batch_size=0: must be >= 1"),
+    ("heads that do not divide d_model", ["model.d_model=130"], "model.d_model=130 must be divisible by model.n_heads=4"),
+    ("no step or epoch limit", ["trainer.max_steps=null"], "set trainer.max_steps or trainer.max_epochs"),
+    ("memory=auto without a budget", ["memory=auto"], "memory.budget_gb=None: memory=auto needs the memory budget"),
+    ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),
+    ("unknown non-finite policy", ["trainer.on_nonfinite=ignore"], "trainer.on_nonfinite=ignore: expected skip or stop"),
+    ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
+    ("Multi30k folder that does not exist", ["data=multi30k", "data.root=/nonexistent"],
+     "data.root=/nonexistent: no such directory"),
+    ("data=files without its paths", ["data=files", "data.src_lang=de", "data.tgt_lang=en"],
+     "data.train_prefix is required: add data.train_prefix=..."),
+    ("every pair longer than the limits, dropped", ["memory.max_src_len=1", "memory.max_tgt_len=1", "memory.overlong=drop"],
+     "every training pair is longer than memory.max_src_len / max_tgt_len"),
+]
+FILES = [
+    ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),
+    ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),
+    ("parallel files of different lengths", {"train.de": "a\nb\nc\n"}, "{data}/train.de has 3 lines but"),
+    ("text that is not UTF-8", {"train.de": b"gut\n\xff\xfeschlecht\n"}, "{data}/train.de:2: invalid UTF-8 (byte 0xff)"),
+    ("every line pair with an empty side", {"train.de": "eins\n\n", "train.en": "\ntwo\n"},
+     "{data}/train.de: every line pair has an empty side"),
+]
+
+
+def data_dir(tmp_path: Path, files: dict) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.de").write_text("ein Satz\nzwei Sätze\n")
+        (data / f"{split}.en").write_text("a sentence\ntwo sentences\n")
+    for name, content in files.items():
+        (data / name).unlink()
+        if isinstance(content, bytes):
+            (data / name).write_bytes(content)
+        elif content is not None:
+            (data / name).write_text(content)
+    return data
+
+
+def files_overrides(data: Path) -> list[str]:
+    return ["data=files", "data.src_lang=de", "data.tgt_lang=en",
+            *(f"data.{s}_prefix={data / s}" for s in ("train", "valid", "test"))]
+
+
+@pytest.mark.parametrize("what,overrides,message", COMMAND_LINE, ids=[c[0] for c in COMMAND_LINE])
+def test_command_line_mistakes(what, overrides, message):
+    with pytest.raises(UserError) as e:
+        check_command_line(overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("what,overrides,message", RUN, ids=[c[0] for c in RUN])
+def test_settings_caught_before_training(what, overrides, message, tmp_path):
+    base = FAST_TRAIN if any(o.startswith("data=") for o in overrides) else FAST  # other corpora, other keys
+    check_command_line([*base, *overrides])  # these pass the command-line check; the run catches them
+    cfg = compose_config(*base, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    with pytest.raises(UserError) as e:
+        train(cfg)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    run = Path(cfg.paths.output_dir)
+    assert '"status": "failed"' in (run / "summary.json").read_text()
+    metrics = run / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()  # stopped before the first step
+
+
+@pytest.mark.parametrize("what,files,message", FILES, ids=[c[0] for c in FILES])
+def test_bad_corpus_files(what, files, message, tmp_path):
+    data = data_dir(tmp_path, files)
+    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    with pytest.raises(UserError) as e:
+        train(cfg)
+    assert str(e.value).startswith(message.format(data=data)), str(e.value)
+
+
+def test_bom_and_crlf_are_read_as_plain_text(tmp_path):
+    data = data_dir(tmp_path, {"train.de": "\ufeffein Satz\r\nzwei Sätze\r\n".encode()})
+    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=1", "trainer.eval_every=1",
+                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    assert train(cfg)["status"] == "completed"
+
+
+def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
+    from src.errors import ConfigError
+    from src.memory import MemoryStrategy
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    with pytest.raises(ConfigError, match=r"^memory.amp=bf16: Tesla V100-SXM2-16GB has no bf16; use memory.amp=fp16$"):
+        MemoryStrategy(amp="bf16").check_device(torch.device("cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
+def test_a_gpu_where_there_is_none(fast_cfg):
+    with pytest.raises(UserError, match=r"^trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
+        train(fast_cfg("trainer.device=cuda"))
+
+
+def test_train_py_shows_one_line_and_no_traceback():
+    proc = run_cli("train.py", "model.dmodel=5")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.dmodel: no such key; did you mean model.d_model? (a new key is added with +model.dmodel=...)"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_the_docs_table_lists_every_case_tried():
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ") and not line.startswith("| input")]
+    documented = {row.split(" | ")[0].removeprefix("| ").strip() for row in rows}
+    tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
+                                                           "a GPU where there is none"}
+    assert documented == tried
+    assert len(tried) >= 12
+    text = DOC.read_text()
+    for what, _, message in COMMAND_LINE + RUN + FILES:
+        row = next(r for r in rows if r.startswith(f"| {what} |"))
+        shown = re.sub(r"\{data\}", "data", message)
+        assert shown.replace("|", "\\|") in row, (what, shown)
+    assert "Traceback" not in text
