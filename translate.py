@@ -25,7 +25,7 @@ from src.run import resolve_device
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint written by train.py (checkpoints/best.pt or last.pt)")
+    p.add_argument("checkpoint", help="a checkpoint written by train.py (checkpoints/best.pt or checkpoints/step_<N>.pt)")
     p.add_argument("--input", required=True, help="source sentences, one per line")
     p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
     p.add_argument("--output", help="where to write the translations (default: stdout)")
