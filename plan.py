@@ -81,7 +81,7 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
     print(f"a GPU needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
-          f"{verdict} a {gpu} GB card (plan.gpu_gb)")
+          f"{verdict} a {gpu:g} GB card (plan.gpu_gb)")
     if "tried" in info:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
                                                  for t in info["tried"]))
@@ -90,7 +90,7 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
 
 def print_table(rows, gpu, overhead, context) -> None:
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
-    head = ["run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", f"fits {gpu} GB", "expected cost"]
+    head = ["run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", f"fits {gpu:g} GB", "expected cost"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
