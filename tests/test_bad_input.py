@@ -124,6 +124,17 @@ def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
         MemoryStrategy(amp="bf16").check_device(torch.device("cuda"))
 
 
+def test_fp16_on_the_cpu_warns_to_use_bf16(caplog):
+    import logging
+
+    from src.memory import MemoryStrategy
+
+    with caplog.at_level(logging.WARNING):
+        MemoryStrategy(amp="fp16").check_device(torch.device("cpu"))
+    assert any(r.message.startswith("memory.amp=fp16 on the CPU: it runs, but CPUs multiply fp16 slowly")
+               for r in caplog.records)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
 def test_a_gpu_where_there_is_none(fast_cfg):
     with pytest.raises(UserError, match=r"^trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
@@ -142,7 +153,7 @@ def test_the_docs_table_lists_every_case_tried():
     rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ") and not line.startswith("| input")]
     documented = {row.split(" | ")[0].removeprefix("| ").strip() for row in rows}
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
-                                                           "a GPU where there is none"}
+                                                           "fp16 on the CPU", "a GPU where there is none"}
     assert documented == tried
     assert len(tried) >= 12
     text = DOC.read_text()
