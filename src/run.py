@@ -309,11 +309,15 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     def autocast():
         return strategy.autocast(device)
 
+    decode_s: dict[str, float] = {}
+
     def evaluate(split: str) -> tuple[dict, list[str]]:
         s = encoded.splits[split]
+        t0 = time.perf_counter()
         hyp_ids = translate_ids(
             model, s.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"], autocast
         )
+        decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
         return score(hyps, corpus.splits[split].tgt), hyps
 
@@ -493,6 +497,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         "valid_bleu": valid_scores.get("bleu"),
         "valid_chrf": valid_scores.get("chrf"),
         "test_bleu": test_scores["bleu"],
+        "test_decode_s": decode_s["test"],  # greedy decoding of the test set (batched, key/value cache)
         "test_chrf": test_scores["chrf"],
         "sacrebleu_signature": test_scores["bleu_signature"],
         "chrf_signature": test_scores["chrf_signature"],
@@ -636,6 +641,8 @@ class _Window:
         self.total_skipped += self.skipped
         loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
         metrics = {
+            "window_s": round(self.seconds, 4),
+            "src_tokens": self.src_tokens,
             "loss": loss / self.tgt_tokens,
             "nll": nll / self.tgt_tokens,
             "grad_norm": gn / self.steps,

@@ -4,19 +4,18 @@
 """
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from src.flops import matmul_rate  # noqa: E402
+
 
 def rate(dtype: torch.dtype, n: int, repeats: int) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    seconds = time.perf_counter() - start
-    return 2 * n**3 * repeats / seconds / 1e9
+    return matmul_rate(dtype, n, repeats) / 1e9
 
 
 if __name__ == "__main__":

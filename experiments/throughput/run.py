@@ -1,0 +1,130 @@
+"""The throughput reference workload, timed: `python experiments/throughput/run.py [--root DIR] [--base]`.
+
+Runs `python train.py experiment=throughput_ref` (Multi30k de->en, 3+3 layers, d_model 256, batches of 2,000
+tokens, 300 steps, then greedy decoding of test_2016_flickr) and reads back its files: training tokens/s and
+seconds per step after 20 warm-up steps, peak RSS, the training loss at the last step, test BLEU and the test
+decoding time. In the same process it measures this machine's fp32 matrix-multiply rate and counts the FLOPs of
+training steps on the run's own batches (PyTorch's FlopCounterMode, forward and backward, padding included), so
+the achieved FLOP/s is stated as a fraction of what the matrix products reach here. With --base the same is
+measured for model=base (6+6, d_model 512) over a shorter run. Writes results.md and results.json next to this
+file (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from src.flops import matmul_rate, step_flops  # noqa: E402
+
+WARMUP = 20
+BASE = ["model.encoder_layers=6", "model.decoder_layers=6", "model.d_model=512", "model.n_heads=8", "model.d_ff=2048"]
+
+
+def run_train(run_dir: Path, overrides: list[str]) -> dict:
+    cmd = [sys.executable, "train.py", "experiment=throughput_ref", "trainer.progress=false",
+           f"hydra.run.dir={run_dir}", *overrides]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    timed = [r for r in train if r["step"] > WARMUP]
+    seconds = sum(r["window_s"] for r in timed)
+    steps = timed[-1]["step"] - WARMUP
+    return {
+        "command": "python " + " ".join(cmd[1:]), "wall_s": round(time.perf_counter() - started, 1),
+        "tokens_per_s": round(sum(r["src_tokens"] + r["tgt_tokens"] for r in timed) / seconds, 1),
+        "s_per_step": round(seconds / steps, 4), "steps": summary["steps"], "loss_last": round(train[-1]["loss"], 4),
+        "peak_rss_mb": summary["peak_rss_mb"], "test_bleu": summary["test_bleu"], "valid_bleu": summary["valid_bleu"],
+        "test_decode_s": summary["test_decode_s"], "padding_ratio": summary["padding_ratio"],
+        "parameters": summary["parameters"], "vocab": summary["vocab"],
+    }
+
+
+def flops_per_step(overrides: list[str], samples: int = 12) -> float:
+    """Mean FLOPs of a training step over the first ``samples`` batches of epoch 0 of this config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from src.data.batching import epoch_batches, micro_batches, pair_sizes
+    from src.memory import memory_strategy
+    from src.run import build_model, prepare_data
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=throughput_ref", "paths.output_dir=.", *overrides])
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
+    _, encoded, split, _ = prepare_data(conf, strategy, download_ok=False)
+    torch.manual_seed(0)
+    model = build_model(conf["model"], encoded)
+    model.train()
+    codec = encoded.tgt_codec
+    sizes = pair_sizes(split)
+    order = epoch_batches(sizes, conf["data"]["batch_size"], strategy.max_tokens, True, conf["seed"], 0)
+    total = 0
+    for indices in order[:samples]:
+        batches = micro_batches(split, indices, sizes, 1, codec.pad_id, codec.bos_id, codec.eos_id)
+        flops, _ = step_flops(model, batches, codec.pad_id, conf["optim"]["label_smoothing"])
+        total += flops
+    return total / samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", default=os.environ.get("MULTI30K_ROOT") or str(ROOT.parent / "shared/data/multi30k"))
+    parser.add_argument("--base", action="store_true", help="also model=base (6+6, d_model 512) for --base-steps")
+    parser.add_argument("--base-steps", type=int, default=60)
+    parser.add_argument("--out", default=str(Path(__file__).parent))
+    args = parser.parse_args()
+    os.environ["MULTI30K_ROOT"] = args.root
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    runs = ROOT / "outputs" / "throughput" / stamp
+    rate = matmul_rate(torch.float32)
+    print(f"fp32 matrix products: {rate / 1e9:.0f} GFLOP/s ({torch.get_num_threads()} threads)", flush=True)
+
+    results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "matmul_fp32_gflops": round(rate / 1e9, 1)}
+    configs = {"reference": []}
+    if args.base:
+        configs["model=base"] = [*BASE, f"trainer.max_steps={args.base_steps}", f"trainer.eval_every={args.base_steps}"]
+    for name, overrides in configs.items():
+        r = run_train(runs / name.replace("=", "_"), overrides)
+        flops = flops_per_step(overrides)
+        r["gflops_per_step"] = round(flops / 1e9, 2)
+        r["achieved_gflops"] = round(flops / r["s_per_step"] / 1e9, 1)
+        r["fraction_of_matmul_rate"] = round(flops / r["s_per_step"] / rate, 3)
+        results[name] = r
+        print(name, r, flush=True)
+
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    lines = [f"{results['date']}, {results['machine']}, torch {results['torch']}, {results['threads']} threads; "
+             f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s.", "",
+             "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak RSS (MB) | loss at last step | test BLEU | "
+             "decode test (s) | GFLOP/step | achieved GFLOP/s | of matmul rate |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in configs:
+        r = results[name]
+        lines.append(f"| {name} ({r['steps']} steps) | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
+                     f"{r['peak_rss_mb']:,.0f} | {r['loss_last']:.3f} | {r['test_bleu']:.2f} | {r['test_decode_s']:.2f} | "
+                     f"{r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['fraction_of_matmul_rate']:.1%} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
