@@ -26,7 +26,11 @@ class ModelArgs:
     d_ff: int = 2048
     encoder_layers: int = 6
     decoder_layers: int = 6
-    dropout: float = 0.1
+    dropout: float = 0.1  # on embeddings and on each sublayer's output (the paper's P_drop)
+    # Inside attention (on the attention weights) and inside the feed-forward block (after the ReLU); null = the
+    # same as ``dropout``. fairseq's defaults are 0 for both; the CPU's fused attention kernel runs only without it.
+    attention_dropout: float | None = None
+    activation_dropout: float | None = None
     # Tie the decoder's input embedding and the output projection (paper, section 3.4). When source and
     # target share one vocabulary (tokenizer=xlmr), the encoder embedding is shared as well.
     tie_embeddings: bool = True
@@ -93,11 +97,17 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
+def _inner_dropouts(a: ModelArgs) -> tuple[float, float]:
+    return (a.dropout if a.attention_dropout is None else a.attention_dropout,
+            a.dropout if a.activation_dropout is None else a.activation_dropout)
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
-        self.ff = FeedForward(a.d_model, a.d_ff, a.dropout)
+        attn_p, act_p = _inner_dropouts(a)
+        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
+        self.ff = FeedForward(a.d_model, a.d_ff, act_p)
         self.res_attn = Residual(a.d_model, a.dropout, a.norm_first)
         self.res_ff = Residual(a.d_model, a.dropout, a.norm_first)
 
@@ -109,9 +119,10 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
-        self.cross_attn = MultiHeadAttention(a.d_model, a.n_heads, a.dropout)
-        self.ff = FeedForward(a.d_model, a.d_ff, a.dropout)
+        attn_p, act_p = _inner_dropouts(a)
+        self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
+        self.cross_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
+        self.ff = FeedForward(a.d_model, a.d_ff, act_p)
         self.res_self = Residual(a.d_model, a.dropout, a.norm_first)
         self.res_cross = Residual(a.d_model, a.dropout, a.norm_first)
         self.res_ff = Residual(a.d_model, a.dropout, a.norm_first)
