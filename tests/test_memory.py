@@ -109,3 +109,26 @@ def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
         assert r["mem_forward_delta_mb"] + r["mem_backward_delta_mb"] < r["mem_forward_delta_mb"]
     assert summary["peak_memory_mb"] == max(train_rows[s]["step_peak_mb"] for s in (1, 4))
     assert summary["memory_delta_mb"]["forward"] >= train_rows[4]["mem_forward_delta_mb"]
+
+
+def test_step_flops_count_forward_and_backward():
+    """A training step costs about three forward passes (backward computes two products per forward one), and at
+    least what the output projection alone needs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from src.flops import matmul_rate, step_flops
+    from src.trainer import batch_loss
+
+    from .helpers import PAD, make_split, micro_batches, model_and_trainer
+
+    model, _ = model_and_trainer(MemoryStrategy())
+    batches = micro_batches(make_split(), 1)
+    total, positions = step_flops(model, batches, PAD)
+    with FlopCounterMode(display=False) as forward, torch.no_grad():
+        batch_loss(model, batches[0], PAD, 0.1)
+    assert 2.8 * forward.get_total_flops() <= total <= 3.2 * forward.get_total_flops()
+    b = batches[0]
+    assert total >= 3 * 2 * b.tgt_out.numel() * 32 * 30  # generator: positions x d_model x vocabulary, x2 FLOPs, x3
+    assert positions == b.n_padded
+    assert all(p.grad is None for p in model.parameters())  # counting leaves no gradients behind
+    assert matmul_rate(torch.float32, n=256, repeats=2) > 1e8
