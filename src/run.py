@@ -466,36 +466,35 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     if p.last_eval_step != p.step:
         run_eval()
     save()
-    step, best_step, valid_scores, accum, backoffs = p.step, p.best_step, p.valid_scores, p.accum_steps, p.backoffs
 
     # The test set is translated once, by the checkpoint with the best validation BLEU.
     model.load_state_dict(load_checkpoint(best_path, device)["model"])
     test_scores, test_hyps = evaluate("test")
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
-    log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], best_step, test_scores["bleu_signature"])
+    log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], p.best_step, test_scores["bleu_signature"])
 
     train_s = max(window.total_seconds, 1e-9)
     return {
         **info,
         "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
-        "steps": step,
-        "epochs": round(step / batches_per_epoch, 3),
+        "steps": p.step,
+        "epochs": round(p.step / batches_per_epoch, 3),
         "src_tokens": window.total_src_tokens,
         "tgt_tokens": window.total_tgt_tokens,
         "train_s": round(window.total_seconds, 2),
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "padding_ratio": round(window.padding_ratio(total=True), 4),
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
-        "final_accum_steps": accum,
-        "oom_backoffs": backoffs,
+        "final_accum_steps": p.accum_steps,
+        "oom_backoffs": p.backoffs,
         "nonfinite_skips": p.nonfinite_skips,
         "peak_memory_mb": _round(peak.run_peak_mb()),
         "peak_memory_split_mb": peak.run_peak_split_mb(),
         "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
         "peak_reserved_mb": _round(peak.run_reserved_mb()),
-        "best_step": best_step,
-        "valid_bleu": valid_scores.get("bleu"),
-        "valid_chrf": valid_scores.get("chrf"),
+        "best_step": p.best_step,
+        "valid_bleu": p.valid_scores.get("bleu"),
+        "valid_chrf": p.valid_scores.get("chrf"),
         "test_bleu": test_scores["bleu"],
         "test_decode_s": decode_s["test"],  # greedy decoding of the test set (batched, key/value cache)
         "test_chrf": test_scores["chrf"],
