@@ -55,23 +55,32 @@ def greedy_decode(
     max_len: int,
 ) -> Tensor:
     """Greedy translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
-    ``</s>``. Each step feeds only the newest token; earlier keys and values come from the cache."""
+    ``</s>``. Each step feeds only the newest token; earlier keys and values come from the cache. A sentence that
+    has produced ``</s>`` leaves the batch, with its encoder states and cache rows, so the steps after it cost
+    only what the unfinished sentences need."""
     model.eval()
     src_mask = model.src_mask(src)
     memory = model.encode(src, src_mask)
     caches: list[dict] = [{} for _ in model.decoder]
-    tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
-    finished = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
-    out = []
-    for _ in range(max_len):
-        logits = model.decode_step(memory, src_mask, tokens, caches)
-        next_tok = logits.argmax(dim=-1).masked_fill(finished, pad_id)
-        out.append(next_tok)
-        finished |= next_tok == eos_id
-        if bool(finished.all()):
-            break
+    batch = src.size(0)
+    out = torch.full((batch, max_len), pad_id, dtype=torch.long, device=src.device)
+    active = torch.arange(batch, device=src.device)  # rows of ``out`` still being decoded
+    tokens = torch.full((batch, 1), bos_id, dtype=torch.long, device=src.device)
+    length = 0
+    for step in range(max_len):
+        next_tok = model.decode_step(memory, src_mask, tokens, caches).argmax(dim=-1)
+        out[active, step] = next_tok
+        length = step + 1
+        running = next_tok != eos_id
+        if not bool(running.all()):
+            if not bool(running.any()):
+                break
+            active, memory, src_mask, next_tok = active[running], memory[running], src_mask[running], next_tok[running]
+            for cache in caches:
+                for key in cache:
+                    cache[key] = cache[key][running]
         tokens = next_tok.unsqueeze(1)
-    return torch.stack(out, dim=1)
+    return out[:, :length]
 
 
 def translate_ids(

@@ -71,3 +71,37 @@ def test_base_model_has_the_papers_parameter_count():
     big = Transformer(ModelArgs(src_vocab=37000, tgt_vocab=37000, pad_id=PAD, share_vocab=True, d_model=1024,
                                 n_heads=16, d_ff=4096))
     assert 205e6 < big.num_parameters() < 220e6  # paper: 213M
+
+
+def test_batched_greedy_decoding_equals_decoding_each_sentence_alone():
+    """Sentences that finish leave the batch; the others must not notice: each row equals its own decode."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(4, 50, (12, 7), generator=g)
+    src[:, -1] = 2
+
+    def ends(batch: torch.Tensor, eos: int) -> list:
+        return [int(e[0]) if len(e := (row == eos).nonzero()) else None for row in batch]
+
+    # a random model and an end-of-sentence token it produces at different steps for different rows, not in all
+    found = False
+    for seed in range(10):
+        model = tiny()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.5)  # livelier than the initialization: outputs that change along the way
+        for eos in range(4, 40):
+            batch = greedy_decode(model, src, bos_id=0, eos_id=eos, pad_id=PAD, max_len=10)
+            stops = ends(batch, eos)
+            if len({s for s in stops if s is not None}) > 1 and None in stops:
+                found = True
+                break
+        if found:
+            break
+    assert found, "no token ends some rows early and others late"
+    for i in range(src.size(0)):
+        alone = greedy_decode(model, src[i : i + 1], bos_id=0, eos_id=eos, pad_id=PAD, max_len=10)[0]
+        row = batch[i, : alone.numel()]
+        assert torch.equal(row, alone), i
+        assert (batch[i, alone.numel():] == PAD).all()
