@@ -209,6 +209,8 @@ class Transformer(nn.Module):
                 nn.init.xavier_uniform_(p)
         if a.tie_embeddings:
             self.generator.weight = self.tgt_embed.tokens.weight
+        else:  # an untied output projection starts like the embedding it would otherwise be (as fairseq does)
+            nn.init.normal_(self.generator.weight, mean=0.0, std=a.d_model**-0.5)
         # memory=checkpoint: keep only each layer's input during training and recompute the layer in backward.
         # A run-time setting, not part of the architecture, so it is not in ModelArgs or the checkpoints.
         self.checkpoint_layers = False
