@@ -176,7 +176,7 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path):
     assert statuses == ["failed", "completed"]
 
 
-@pytest.mark.parametrize("preset", ["memory_sweep", "multi30k_small", "paper_base"])
+@pytest.mark.parametrize("preset", ["memory_sweep", "multi30k_small", "paper_base", "throughput_ref"])
 def test_presets_pin_seed_and_tags(preset, tmp_path):
     extra = ["data.train_prefix=a", "data.valid_prefix=b", "data.test_prefix=c"] if preset == "paper_base" else []
     cfg = compose_config(f"experiment={preset}", *extra, run_dir=tmp_path)
