@@ -18,7 +18,6 @@ allocator): ``fits`` adds a margin for both.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -44,10 +43,6 @@ class StepShape:
     src_len: int
     tgt_len: int
     accum_steps: int = 1
-
-    @property
-    def batch_pairs(self) -> int:
-        return self.pairs * self.accum_steps
 
 
 def worst_case_shape(longest_src: int, longest_tgt: int, batch_size: int, max_tokens: int | None,
@@ -79,13 +74,15 @@ class Estimate:
     def split_mb(self) -> dict[str, float]:
         return {k: round(self.by_category.get(k, 0) / MiB, 1) for k in CATEGORIES}
 
-    def fits(self, gpu_gb: float, overhead: float = 0.10, context_gb: float = 0.5) -> bool:
-        return self.required_gb(overhead, context_gb) <= gpu_gb
-
     def required_gb(self, overhead: float = 0.10, context_gb: float = 0.5) -> float:
         """What a card must have: the estimate plus ``overhead`` for the allocator's rounding and fragmentation,
         plus the CUDA context."""
         return self.peak_bytes * (1 + overhead) / GiB + context_gb
+
+
+def usable_bytes(budget_gb: float, overhead: float = 0.10, context_gb: float = 0.5) -> float:
+    """The largest estimate that fits ``budget_gb``: ``Estimate.required_gb`` turned around."""
+    return (budget_gb - context_gb) * GiB / (1 + overhead)
 
 
 class _EveryPositionIsReal(TorchDispatchMode):
@@ -226,10 +223,6 @@ def cost_note(strategy: MemoryStrategy) -> str:
     if strategy.max_tokens:
         notes.append("tokens: less padding")
     return "; ".join(notes) or "baseline"
-
-
-def fmt_gb(x: float) -> str:
-    return f"{x:.2f}" if math.isfinite(x) else "-"
 
 
 def longest_pair(split) -> tuple[int, int]:

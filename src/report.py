@@ -136,11 +136,11 @@ def _is_job(path: Path) -> bool:
     return (path / "summary.json").exists() or (path / ".hydra").is_dir()
 
 
-def _fmt(x, digits: int = 1, thousands: bool = True) -> str:
+def _fmt(x, digits: int = 1) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
     if isinstance(x, (int, float)):
-        return f"{x:,.{digits}f}" if thousands else f"{x:.{digits}f}"
+        return f"{x:,.{digits}f}"
     return str(x)
 
 

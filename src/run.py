@@ -118,9 +118,8 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
                       device: torch.device) -> tuple[MemoryStrategy, dict]:
     """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py)."""
     plan = conf.get("plan") or {}
-    overhead, context = plan.get("overhead", 0.10), plan.get("context_gb", 0.5)
-    usable_gb = strategy.budget_gb - (context if device.type == "cuda" else 0.0)
-    budget = usable_gb * planner.GiB / (1 + overhead)
+    context = plan.get("context_gb", 0.5) if device.type == "cuda" else 0.0  # no CUDA context on the CPU
+    budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
     src, tgt = encoded.src_codec, encoded.tgt_codec
     args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
     amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
@@ -162,7 +161,7 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in keys if not plan.get(k))}
     if strategy.auto:
-        budget = (strategy.budget_gb - plan.get("context_gb", 0.5)) * planner.GiB / (1 + plan.get("overhead", 0.10))
+        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip)
         return strategy, est, info
