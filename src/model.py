@@ -37,6 +37,10 @@ class ModelArgs:
     share_vocab: bool = False
     # The paper normalizes after each residual block (post-norm); pre-norm trains more stably without warmup.
     norm_first: bool = False
+    # Weight initialization. "xavier": Xavier-uniform matrices and PyTorch's default biases (The Annotated
+    # Transformer). "fairseq": fairseq's transformer: zero biases, and the query/key/value projections drawn with
+    # gain 1/sqrt(2). Embeddings (and an untied output projection) start from N(0, d_model^-0.5) under both.
+    init: str = "xavier"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,9 +208,16 @@ class Transformer(nn.Module):
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.generator = nn.Linear(a.d_model, a.tgt_vocab, bias=False)
+        if a.init not in ("xavier", "fairseq"):
+            raise ValueError(f"model.init={a.init!r}: expected xavier or fairseq")
         for name, p in self.named_parameters():
-            if p.dim() > 1 and "embed" not in name:
-                nn.init.xavier_uniform_(p)
+            if "embed" in name:
+                continue
+            if p.dim() > 1:
+                qkv = a.init == "fairseq" and name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj")
+                nn.init.xavier_uniform_(p, gain=2**-0.5 if qkv else 1.0)
+            elif a.init == "fairseq" and name.endswith(".bias") and "norm" not in name:
+                nn.init.zeros_(p)
         if a.tie_embeddings:
             self.generator.weight = self.tgt_embed.tokens.weight
         else:  # an untied output projection starts like the embedding it would otherwise be (as fairseq does)

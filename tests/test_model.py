@@ -1,5 +1,6 @@
 """The Transformer: masks do what they claim, the KV cache equals the full forward pass, sizes match the paper."""
 
+import pytest
 import torch
 
 from src.evaluate import greedy_decode
@@ -105,3 +106,23 @@ def test_batched_greedy_decoding_equals_decoding_each_sentence_alone():
         row = batch[i, : alone.numel()]
         assert torch.equal(row, alone), i
         assert (batch[i, alone.numel():] == PAD).all()
+
+
+def test_fairseq_initialization():
+    """model.init=fairseq: zero biases outside LayerNorm, and query/key/value weights drawn with gain 1/sqrt(2)
+    (Xavier-uniform bound sqrt(6 / (2 d)) / sqrt(2)); the rest as with init=xavier."""
+    torch.manual_seed(0)
+    args = dict(src_vocab=500, tgt_vocab=400, pad_id=PAD, d_model=256, n_heads=4, d_ff=512, encoder_layers=1,
+                decoder_layers=1)
+    xavier, fairseq = (Transformer(ModelArgs(**args, init=init)) for init in ("xavier", "fairseq"))
+    bound = (6 / (2 * 256)) ** 0.5
+    for name, p in fairseq.named_parameters():
+        if name.endswith(".bias") and "norm" not in name:
+            assert not p.any(), name
+    for model, gain in ((xavier, 1.0), (fairseq, 2**-0.5)):
+        q = model.encoder[0].self_attn.q_proj.weight
+        assert gain * bound * 0.98 < q.abs().max() <= gain * bound
+        assert model.encoder[0].self_attn.out_proj.weight.abs().max() > 0.98 * bound
+    assert xavier.encoder[0].ff.w1.bias.abs().max() > 0  # PyTorch's default biases under init=xavier
+    with pytest.raises(ValueError, match="model.init='normal'"):
+        Transformer(ModelArgs(**args, init="normal"))
