@@ -188,6 +188,7 @@ def train(cfg: DictConfig) -> dict:
     job = hydra_job()
     summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
     logger: RunLogger | None = None
+    threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
     try:
         try:
             conf = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -215,6 +216,7 @@ def train(cfg: DictConfig) -> dict:
         summary.update(status="failed", error=str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
         raise
     finally:
+        torch.set_num_threads(threads)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
         write_json(run_dir / "summary.json", summary)
@@ -259,10 +261,12 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     device = resolve_device(tr["device"])
     strategy.check_device(device)
+    if tr.get("threads"):
+        torch.set_num_threads(tr["threads"])
     fault = Fault(**_fault_settings(conf))
     seed_everything(conf["seed"])
     corpus, encoded, train_split, info = prepare_data(conf, strategy)
-    info["device"] = str(device)
+    info["device"], info["threads"] = str(device), torch.get_num_threads()
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
     save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     if strategy.auto:
@@ -301,7 +305,13 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, device,
     )
 
-    peak = PeakMemory(device, track_cpu=tr.get("track_memory", True), every=tr.get("memory_every", 1))
+    track_cpu = tr.get("track_memory", True)
+    if tr.get("compile"):
+        trainer.compile()
+        if track_cpu and device.type == "cpu":
+            log.warning("trainer.compile: the CPU tensor tracker sees eager operations only; memory is not tracked")
+            track_cpu = False
+    peak = PeakMemory(device, track_cpu=track_cpu, every=tr.get("memory_every", 1))
     peak.watch(model)
     trainer.ledger = peak.mark
 

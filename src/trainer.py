@@ -124,6 +124,13 @@ class Trainer:
         # update when they are not finite; the caller applies trainer.on_nonfinite.
         self.check_finite = True
         self.inject_nonfinite = False  # fault injection: the next step's loss becomes NaN
+        self.loss_fn = batch_loss
+
+    def compile(self) -> None:
+        """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since
+        token batches change length every step); backward and the optimizer step stay as they are. The CPU's
+        tensor tracker sees eager operations only, so the run turns it off (src/run.py)."""
+        self.loss_fn = torch.compile(batch_loss, dynamic=True)
 
     def step(self, micro_batches: list[Batch]) -> StepStats:
         """One optimizer step over the micro-batches of one batch."""
@@ -137,7 +144,9 @@ class Trainer:
             batch = batch.to(self.device)
             mark("forward_start")
             with self.strategy.autocast(self.device):
-                loss_sum, nll_sum = batch_loss(model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk)
+                loss_sum, nll_sum = self.loss_fn(
+                    model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk
+                )
             if self.inject_nonfinite:
                 loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
             mark("forward_end")

@@ -47,8 +47,11 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
 
 
 def test_strategies_compose_in_one_run(fast_cfg):
-    summary = train(fast_cfg("memory=[amp,accum,truncate]", "memory.max_src_len=8", "memory.max_tgt_len=8"))
+    threads = torch.get_num_threads()
+    summary = train(fast_cfg("memory=[amp,accum,truncate]", "memory.max_src_len=8", "memory.max_tgt_len=8",
+                             "trainer.threads=1"))
     assert summary["status"] == "completed" and summary["strategy"] == "amp+accum+truncate"
+    assert summary["threads"] == 1 and torch.get_num_threads() == threads  # the run's setting, restored after it
     assert summary["amp"] == "bf16" and summary["accum_steps"] == 4 and summary["micro_batch_size"] == 4
     cut = summary["length_limit"]
     assert cut["pairs_affected"] > 0 and 0 < cut["tokens_removed_share"] < 1

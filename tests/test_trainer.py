@@ -155,3 +155,21 @@ def test_token_batches_pad_less_than_random_sentence_batches():
 def test_a_budget_below_the_longest_pair_is_a_clear_error():
     with pytest.raises(ValueError, match=r"data.max_tokens=10 is smaller than the longest training pair \(12 tokens"):
         token_batch_indices([5, 12, 3], 10, shuffle=False)
+
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_the_eager_update(one_batch_update):
+    """trainer.compile: four micro-batches of different lengths through the compiled forward pass and loss
+    (dynamic shapes) give the same update as one eager step on the whole batch."""
+    start, reference = one_batch_update
+    model, trainer = model_and_trainer(MemoryStrategy(accum_steps=4))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    trainer.compile()
+    mbs = micro_batches(make_split(), 4)
+    assert len({b.src.size(1) for b in mbs}) > 1
+    trainer.step(mbs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert rel_update_diff(updates(start, model), reference) < 1e-4
+    torch._dynamo.reset()
