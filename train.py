@@ -9,6 +9,7 @@ A single run that fails exits with status 1.
 
 import logging
 import math
+import os
 import signal
 import sys
 
@@ -46,9 +47,22 @@ def main(cfg: DictConfig) -> float:
         job = f"job {HydraConfig.get().job.num} ({cfg.paths.output_dir}): {type(e).__name__}: {reason}"
         failed_jobs.append((job, bool(cfg.get("fail_on_error"))))
         return math.nan  # a failed trial, to a sweeper that optimizes the returned value
+    if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
+        return math.nan
     print(f"[{summary['strategy']}] test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}), "
           f"{summary['tokens_per_s']:.0f} tokens/s, peak memory {summary['peak_memory_mb']} MB -> {cfg.paths.output_dir}")
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
+
+
+def quiet_rank(argv: list[str]) -> list[str]:
+    """torchrun: ranks other than 0 run in the current directory without Hydra's output files or log file (rank
+    0's run directory is shared with them once the process group is up: src/run.py)."""
+    if os.environ.get("RANK", "0") == "0":
+        return argv
+    if any(a in ("-m", "--multirun") for a in argv):
+        sys.exit("error: torchrun runs one training run; launch a sweep's jobs with Hydra's launchers instead")
+    kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging="))]
+    return [*kept, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
 
 
 if __name__ == "__main__":
@@ -57,6 +71,7 @@ if __name__ == "__main__":
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    sys.argv[1:] = quiet_rank(sys.argv[1:])
     main()
     if failed_jobs:
         print(f"{len(failed_jobs)} sweep job(s) failed:", *(job for job, _ in failed_jobs), sep="\n  ", file=sys.stderr)

@@ -138,6 +138,22 @@ class RunLogger:
             self.wandb = None
 
 
+class NullLogger:
+    """What ranks other than 0 log with under torchrun: nothing (rank 0 logs the reduced figures)."""
+
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def log_samples(self, step: int, sources: list[str], references: list[str], hypotheses: list[str]) -> None:
+        pass
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+
 def _jsonable(value) -> bool:
     try:
         json.dumps(value, allow_nan=False)

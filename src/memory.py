@@ -55,6 +55,7 @@ class MemoryStrategy:
     auto: bool = False  # memory=auto: the planner picks accumulation, then amp, then checkpointing to fit budget_gb
     budget_gb: float | None = None
     oom_retries: int = 3  # out-of-memory back-offs (twice the accumulation each) before a run fails
+    fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
     max_tokens: int | None = None  # data.max_tokens: the token budget of one optimizer step's batch
 
     def __post_init__(self):
@@ -70,7 +71,7 @@ class MemoryStrategy:
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 where = "data" if key == "max_tokens" else "memory"
                 raise ConfigError(f"{where}.{key}={value}: must be an integer >= {minimum}" + (", or null" if key != "accum_steps" else ""))
-        for key in ("checkpoint", "trim_vocab", "auto"):
+        for key in ("checkpoint", "trim_vocab", "auto", "fsdp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"memory.{key}={getattr(self, key)}: expected true or false")
         if not isinstance(self.oom_retries, int) or isinstance(self.oom_retries, bool) or self.oom_retries < 0:
@@ -95,6 +96,7 @@ class MemoryStrategy:
                 ("checkpoint", self.checkpoint),
                 ("chunked_ce", self.loss_chunk),
                 ("trim_vocab", self.trim_vocab),
+                ("fsdp", self.fsdp),
             )
             if on
         ]

@@ -30,15 +30,16 @@ from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_siz
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
+from .distributed import World, fully_shard_net, process_group, shard_steps, world_from_env
 from .errors import ConfigError, DataError, NumericalError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
-from .loggers import RunLogger, hydra_job, run_name
+from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
 from .state import Progress, find_resume, prune, rng_state, set_rng_state
 from .tokenizers import save_codecs
-from .trainer import Trainer, inverse_sqrt_schedule, paper_peak_lr
+from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def count_parameters(model: dict, encoded: EncodedCorpus) -> int:
         return build_model(model, encoded).num_parameters()
 
 
-def build_optimizer(model: Transformer, optim: dict, device: torch.device):
+def build_optimizer(model: Transformer, optim: dict, device: torch.device, fused: bool = True):
     warmup = optim["warmup_steps"]
     peak = optim.get("lr") or paper_peak_lr(model.args.d_model, warmup, optim.get("lr_factor", 1.0))
     optimizer = torch.optim.Adam(
@@ -97,7 +98,8 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device):
         weight_decay=optim.get("weight_decay", 0.0),
         # One fused kernel for all parameters (CUDA and CPU have it; on 2 CPU cores it is 4x faster than the
         # default loop for model=small).
-        fused=device.type in ("cuda", "cpu") or None,
+        # FSDP's sharded parameters (DTensors) take the foreach implementation.
+        fused=(fused and device.type in ("cuda", "cpu")) or None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(warmup))
     return optimizer, scheduler, peak
@@ -188,6 +190,7 @@ def train(cfg: DictConfig) -> dict:
     job = hydra_job()
     summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
     logger: RunLogger | None = None
+    world = world_from_env()  # torchrun: this process's rank; rank 0 alone writes the run's files
     threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
     try:
         try:
@@ -196,14 +199,20 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
         except OmegaConfBaseException as e:
             raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
-        OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
-        group = conf.get("sweep_name") or job.get("sweep_dir")
-        name = run_name(strategy.label, summary["overrides"])
-        wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
-        logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group)
-        summary.update(_run(conf, strategy, run_dir, logger))
+        device = world.device(resolve_device(conf["trainer"]["device"]))
+        if strategy.fsdp and not world.distributed:
+            raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
+        with process_group(world, device):
+            run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
+            if world.main:
+                OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
+                group = conf.get("sweep_name") or job.get("sweep_dir")
+                name = run_name(strategy.label, summary["overrides"])
+                wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
+                logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group)
+            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -219,7 +228,8 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(threads)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        write_json(run_dir / "summary.json", summary)
+        if world.main:
+            write_json(run_dir / "summary.json", summary)
         if logger is not None:
             logger.finish(summary)
     return summary
@@ -257,28 +267,33 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
     return corpus, encoded, train_split, info
 
 
-def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger) -> dict:
+def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger, world: World,
+         device: torch.device) -> dict:
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
-    device = resolve_device(tr["device"])
     strategy.check_device(device)
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
     fault = Fault(**_fault_settings(conf))
     seed_everything(conf["seed"])
     corpus, encoded, train_split, info = prepare_data(conf, strategy)
-    info["device"], info["threads"] = str(device), torch.get_num_threads()
+    info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
+    if world.main:
+        save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     if strategy.auto:
         strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device)
         log.info("memory=auto: %s", info["auto"])
 
     seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
     model = build_model(conf["model"], encoded).to(device)
-    optimizer, scheduler, peak_lr = build_optimizer(model, optim, device)
-    trainer = Trainer(
-        model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"], optim["clip_grad_norm"]
-    )
+    net = LossModule(model, tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
+    if strategy.fsdp:
+        fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters
+    optimizer, scheduler, peak_lr = build_optimizer(model, optim, device, fused=not strategy.fsdp)
+    trainer = Trainer(model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"],
+                      optim["clip_grad_norm"], world, net)
+    if world.distributed:  # the same weights on every rank (DDP checks), different dropout masks
+        seed_everything(conf["seed"] + world.rank)
     batch_size, max_tokens = data["batch_size"], strategy.max_tokens
     sizes = pair_sizes(train_split)
 
@@ -288,7 +303,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    batches_per_epoch = len(batches(0))
+    def steps(epoch: int) -> list[tuple[list[int], bool, list[list[int]]]]:
+        return shard_steps(batches(epoch), world)
+
+    tgt_sizes = [len(t) + 1 for t in train_split.tgt]  # target tokens of each pair, its </s> included
+    batches_per_epoch = len(steps(0))
     info.update(
         parameters=model.num_parameters(),
         batch_size=None if max_tokens else batch_size,
@@ -342,7 +361,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
 
     p = Progress(accum_steps=strategy.accum_steps)
-    window = _Window(device)
+    window = _Window(device, world)
     resumed = find_resume(conf.get("ckpt_path"), tr.get("resume"), ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
@@ -352,7 +371,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         trainer.scaler.load_state_dict(ckpt["scaler"])
         p = Progress(**ckpt["progress"])
         window.load_totals(p.totals)
-        set_rng_state(ckpt["rng"])
+        ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
+        set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         logger.rewind(p.step)  # rows logged after the checkpoint are trained again
         info["resumed_from"] = {"path": str(path), "step": p.step}
         log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
@@ -370,17 +390,29 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
 
     def save(path: Path | None = None) -> None:
-        """A training checkpoint of everything needed to continue exactly from here."""
+        """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
+        every rank (each rank's random generators are gathered); rank 0 writes it."""
         p.totals = window.totals()
+        rng = rng_state()
+        ranks = world.gather(rng) if world.distributed and path is None else None
+        if not world.main:
+            return
         state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
-                     scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng_state(), **ckpt_meta)
+                     scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks, **ckpt_meta)
         save_checkpoint(path or ckpt_dir / f"step_{p.step:08d}.pt", **state)
         if path is None:
             prune(ckpt_dir, tr.get("keep_last", 3))
 
     def run_eval() -> None:
+        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait."""
         log_window()  # the training steps so far count; evaluation is neither timed nor measured
         p.last_eval_step = p.step
+        if world.main:
+            validate()
+        world.barrier()
+        peak.skip_window()
+
+    def validate() -> None:
         t0 = time.perf_counter()
         losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
                                  optim["label_smoothing"], autocast, strategy.loss_chunk)
@@ -396,26 +428,28 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         if scores["bleu"] > p.best_bleu:
             p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
             save(best_path)
-        peak.skip_window()
 
-    def train_step(indices: list[int]):
+    def train_step(indices: list[int], real: bool, group: list[list[int]]):
         """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
         two for the rest of the run (twice the accumulation: the same examples, the same effective batch, the
-        same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot."""
+        same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot.
+        Data-parallel runs do not back off (the other ranks are inside the step's collectives)."""
         step = p.step + 1
-        for attempt in range(strategy.oom_retries + 1):
+        step_tokens = sum(tgt_sizes[i] for b in group for i in b)
+        retries = 0 if world.distributed else strategy.oom_retries
+        for attempt in range(retries + 1):
             micro = micro_batches(train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
             try:
                 with peak.measure(step):
                     fault.maybe_raise(step, trainer)
-                    return trainer.step(micro)
+                    return trainer.step(micro, step_tokens, real)
             except torch.OutOfMemoryError as e:
                 optimizer.zero_grad(set_to_none=True)
                 reason = str(e).splitlines()[0]
                 largest = max(len(b) for b in micro)
                 del micro
-                if attempt == strategy.oom_retries or largest == 1:
+                if attempt == retries or largest == 1:
                     snapshot = peak.snapshot(run_dir / "oom_snapshot")
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step} with micro-batches of up to {largest} pairs "
@@ -447,9 +481,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
 
     with stop_on_signals() as stop:
         while not done():
-            for indices in batches(p.epoch)[p.batch_in_epoch:]:
+            for indices, real, group in steps(p.epoch)[p.batch_in_epoch:]:
                 window.resume()
-                stats = train_step(indices)
+                stats = train_step(indices, real, group)
                 window.add(stats)
                 p.step += 1
                 p.batch_in_epoch += 1
@@ -462,6 +496,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
                 if save_every and p.step % save_every == 0:
                     log_window()
                     save()
+                if world.distributed and world.all_sum([stop.signum is not None], device)[0]:
+                    stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
                 if stop.signum is not None:
                     log_window()
                     save()
@@ -476,11 +512,15 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger)
         run_eval()
     save()
 
+    if not world.main:
+        world.barrier()
+        return {**info, "steps": p.step}
     # The test set is translated once, by the checkpoint with the best validation BLEU.
     model.load_state_dict(load_checkpoint(best_path, device)["model"])
     test_scores, test_hyps = evaluate("test")
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
     log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], p.best_step, test_scores["bleu_signature"])
+    world.barrier()
 
     train_s = max(window.total_seconds, 1e-9)
     return {
@@ -587,8 +627,8 @@ class _Window:
     plus the run's totals. The clock runs only while training steps run: it is paused (after the GPU catches
     up) for evaluation."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, world: World | None = None):
+        self.device, self.world = device, world or World()
         self.total_seconds = 0.0
         self.total_src_tokens = self.total_tgt_tokens = self.total_padded = self.total_skipped = 0
         self.reset()
@@ -642,6 +682,10 @@ class _Window:
         self.pause()
         if not self.steps:
             return {}
+        if self.world.distributed:  # the sums over the ranks (the gradient norm is the same on all of them)
+            self.loss, self.nll, tgt, src, padded = self.world.all_sum(
+                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded], self.device)
+            self.tgt_tokens, self.src_tokens, self.padded = int(tgt), int(src), int(padded)
         self.total_seconds += self.seconds
         self.total_src_tokens += self.src_tokens
         self.total_tgt_tokens += self.tgt_tokens

@@ -8,15 +8,18 @@ micro-batches differ in length. Dividing each micro-batch's mean by ``accum_step
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from .data.batching import Batch
+from .distributed import World
 from .memory import MemoryStrategy, region
 from .model import Transformer
 
@@ -70,6 +73,19 @@ def batch_loss(
     return _projected_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon)
 
 
+class LossModule(nn.Module):
+    """The model and its loss as one module, whose forward pass returns ``batch_loss``: what
+    DistributedDataParallel wraps (its gradient hooks need the whole forward pass to go through it) and what
+    ``trainer.compile`` compiles."""
+
+    def __init__(self, model: Transformer, pad_id: int, epsilon: float, loss_chunk: int | None):
+        super().__init__()
+        self.model, self.pad_id, self.epsilon, self.loss_chunk = model, pad_id, epsilon, loss_chunk
+
+    def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
+        return batch_loss(self.model, Batch(src, tgt_in, tgt_out, 0, 0), self.pad_id, self.epsilon, self.loss_chunk)
+
+
 def inverse_sqrt_schedule(warmup_steps: int):
     """Multiplier of the peak learning rate after ``i`` optimizer steps: linear warmup to 1 at
     ``warmup_steps``, then ``sqrt(warmup_steps / step)`` (the paper's schedule, section 5.3)."""
@@ -110,6 +126,8 @@ class Trainer:
         pad_id: int,
         label_smoothing: float = 0.1,
         clip_grad_norm: float | None = 1.0,
+        world: World | None = None,
+        net: nn.Module | None = None,
     ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.device, self.pad_id = strategy, device, pad_id
@@ -124,37 +142,49 @@ class Trainer:
         # update when they are not finite; the caller applies trainer.on_nonfinite.
         self.check_finite = True
         self.inject_nonfinite = False  # fault injection: the next step's loss becomes NaN
-        self.loss_fn = batch_loss
+        self.world = world or World()
+        # memory=fsdp: the run passes the LossModule it sharded before building the optimizer (src/distributed.py)
+        self.net: nn.Module = net or LossModule(model, pad_id, label_smoothing, strategy.loss_chunk)
+        if self.world.distributed and not strategy.fsdp:
+            self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None)
 
     def compile(self) -> None:
         """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since
         token batches change length every step); backward and the optimizer step stay as they are. The CPU's
         tensor tracker sees eager operations only, so the run turns it off (src/run.py)."""
-        self.loss_fn = torch.compile(batch_loss, dynamic=True)
+        self.net.compile(dynamic=True)
 
-    def step(self, micro_batches: list[Batch]) -> StepStats:
-        """One optimizer step over the micro-batches of one batch."""
+    def step(self, micro_batches: list[Batch], step_tgt_tokens: int | None = None, real: bool = True) -> StepStats:
+        """One optimizer step over the micro-batches of one batch.
+
+        Data-parallel: ``step_tgt_tokens`` are the target tokens of the step's batches on all ranks, the loss's
+        divisor; gradients are synchronized once, during the last micro-batch's backward. ``real=False`` (an
+        epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0."""
         model, opt, scaler = self.model, self.optimizer, self.scaler
         model.train()
-        n_tokens = sum(b.n_tgt_tokens for b in micro_batches)
+        local_tokens = sum(b.n_tgt_tokens for b in micro_batches)
+        # DDP averages the gradients over the ranks; multiplying by their number leaves the sum over all tokens
+        scale = (self.world.size if self.world.distributed else 1) * real / (step_tgt_tokens or local_tokens)
         loss_total = torch.zeros((), device=self.device)
         nll_total = torch.zeros((), device=self.device)
         mark = self.ledger or (lambda point: None)
-        for batch in micro_batches:
+        for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
-            mark("forward_start")
-            with self.strategy.autocast(self.device):
-                loss_sum, nll_sum = self.loss_fn(
-                    model, batch, self.pad_id, self.label_smoothing, self.strategy.loss_chunk
-                )
-            if self.inject_nonfinite:
-                loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
-            mark("forward_end")
-            with region("backward"):
-                scaler.scale(loss_sum / n_tokens).backward()
-            mark("backward_end")
-            loss_total += loss_sum.detach()
-            nll_total += nll_sum.detach()
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
+            with sync:
+                mark("forward_start")
+                with self.strategy.autocast(self.device):
+                    loss_sum, nll_sum = self.net(batch.src, batch.tgt_in, batch.tgt_out)
+                if self.inject_nonfinite:
+                    loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
+                mark("forward_end")
+                with region("backward"):
+                    scaler.scale(loss_sum * scale).backward()
+                mark("backward_end")
+            if real:
+                loss_total += loss_sum.detach()
+                nll_total += nll_sum.detach()
         with region("optimizer"):
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
             if self.clip_grad_norm:
@@ -163,8 +193,15 @@ class Trainer:
                 grad_norm = torch.linalg.vector_norm(
                     torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
                 )
-            # fp16: the scaler skips steps with non-finite gradients itself (counted apart); the loss is checked here
-            finite = torch.isfinite(loss_total) if scaler.is_enabled() else torch.isfinite(loss_total + grad_norm)
+            # fp16: the scaler skips steps with non-finite gradients itself (counted apart); the loss is checked here.
+            # Data-parallel: the synchronized gradients alone, the same on every rank (a NaN loss makes them NaN),
+            # so that every rank takes the same decision.
+            if self.world.distributed:
+                finite = torch.isfinite(grad_norm)
+            elif scaler.is_enabled():
+                finite = torch.isfinite(loss_total)
+            else:
+                finite = torch.isfinite(loss_total + grad_norm)
             nonfinite = self.check_finite and not bool(finite)
             scale_before = scaler.get_scale() if scaler.is_enabled() else None
             if not nonfinite:
@@ -174,9 +211,10 @@ class Trainer:
         opt.zero_grad(set_to_none=True)
         if not (skipped or nonfinite):  # the schedule counts the optimizer steps actually taken
             self.scheduler.step()
-        n_src = sum(b.n_src_tokens for b in micro_batches)
-        n_padded = sum(b.n_padded for b in micro_batches)
-        return StepStats(loss_total, nll_total, n_tokens, n_src, n_padded, grad_norm.detach(), skipped, nonfinite)
+        n_src = sum(b.n_src_tokens for b in micro_batches) * real
+        n_padded = sum(b.n_padded for b in micro_batches) * real
+        return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
+                         nonfinite)
 
     @property
     def lr(self) -> float:

@@ -38,7 +38,7 @@ def make_split(n=8, seed=0, vocab=30) -> EncodedSplit:
     return EncodedSplit(src, tgt)
 
 
-def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0):
+def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0, world=None):
     """With plain SGD (the default here) a parameter update is the gradient times lr, so equal updates mean
     equal gradients; Adam's first step, ``lr * g / |g|``, would amplify rounding noise in near-zero gradients."""
     torch.manual_seed(seed)
@@ -49,7 +49,8 @@ def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False,
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_schedule(4))
-    return model, Trainer(model, opt, sched, strategy, torch.device("cpu"), PAD, label_smoothing=0.1, clip_grad_norm=None)
+    return model, Trainer(model, opt, sched, strategy, torch.device("cpu"), PAD, label_smoothing=0.1, clip_grad_norm=None,
+                          world=world)
 
 
 def micro_batches(split: EncodedSplit, parts: int) -> list[Batch]:

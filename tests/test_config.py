@@ -23,7 +23,7 @@ def test_groups_have_the_options_the_project_promises():
     assert set(options("model")) >= {"tiny", "small", "base", "big"}
     assert set(options("tokenizer")) == {"spacy", "xlmr"}
     assert set(options("data")) == {"synthetic", "multi30k", "files"}
-    assert set(options("memory")) == {"none", "accum", "amp", "truncate", "tokens", "checkpoint", "chunked_ce", "trim_vocab", "auto"}
+    assert set(options("memory")) == {"none", "accum", "amp", "truncate", "tokens", "checkpoint", "chunked_ce", "trim_vocab", "auto", "fsdp"}
     assert set(options("logger")) == {"none", "wandb"}
 
 

@@ -1,0 +1,117 @@
+"""Data-parallel training through PyTorch's own runtime: ``torchrun --nproc_per_node=N train.py ...``.
+
+torchrun starts N processes and sets RANK, LOCAL_RANK and WORLD_SIZE; each process joins one process group
+(``nccl`` on GPUs, ``gloo`` on the CPU) and trains a replica wrapped in DistributedDataParallel (or, with
+``memory=fsdp``, a model sharded by FSDP2's ``fully_shard``). One optimizer step takes N consecutive batches of
+the epoch's length-bucketed order, one per rank, so an epoch still sees every example once; the step's loss is
+divided by the target tokens of all N batches, so N ranks make the update one process makes on the same N
+batches accumulated. Rank 0 alone logs, writes checkpoints and evaluates; the other ranks wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def device(self, device: torch.device) -> torch.device:
+        """One GPU per rank: this rank's (LOCAL_RANK) when the run is on CUDA."""
+        if device.type == "cuda" and self.distributed:
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_sum(self, values: list[float | torch.Tensor], device: torch.device) -> list[float]:
+        """Sums of ``values`` over the ranks (one collective), as Python numbers."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+        if self.distributed:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def world_from_env() -> World:
+    """What torchrun (or SLURM through submitit) set; a single process without it."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return World(rank=int(os.environ.get("RANK", "0")), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+@contextlib.contextmanager
+def process_group(world: World, device: torch.device, timeout_min: float = 30):
+    """Join the process group for the length of the run (nothing to do for a single process)."""
+    if not world.distributed or dist.is_initialized():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank, world_size=world.size,
+                            timeout=datetime.timedelta(minutes=timeout_min))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fully_shard_net(net: torch.nn.Module) -> None:
+    """memory=fsdp: FSDP2 (``fully_shard``) over the ranks, one unit per encoder and decoder layer and one for the
+    rest (embeddings, final norms, output projection: tied weights stay in one unit), with ``net`` (the
+    trainer's LossModule, whose forward is the whole step) as the root. Each unit's parameters are gathered
+    while it computes and freed after; gradients are reduce-scattered, so each rank keeps 1/N of them and of
+    Adam's state."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = net.model
+    for layer in [*model.encoder, *model.decoder]:
+        fully_shard(layer)
+    fully_shard(net)
+
+
+def shard_steps(order: list[list[int]], world: World) -> list[tuple[list[int], bool, list[list[int]]]]:
+    """(this rank's batch, whether it is real, the step's batches on all ranks) for each optimizer step: step
+    ``s`` takes batches ``s*N .. s*N+N-1`` of the epoch's order, batch ``s*N + rank`` for this rank. When the
+    epoch's last step has fewer than N batches, a rank without one repeats the step's first batch, marked not
+    real (fairseq's dummy batch): it runs forward and backward so the collectives stay in step, and its loss
+    is multiplied by 0. Every example counts once per epoch."""
+    steps = []
+    for start in range(0, len(order), world.size):
+        group = order[start : start + world.size]
+        real = world.rank < len(group)
+        steps.append((group[world.rank] if real else group[0], real, group))
+    return steps

@@ -1,0 +1,49 @@
+"""Run by tests/test_distributed.py under torchrun (gloo, CPU): data-parallel steps of the project's Trainer.
+
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS
+
+Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
+runs the dummy batch). Each rank writes its parameters after the steps and the number of DDP communication-hook
+calls in each step to OUT_DIR/rank<r>.pt.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+
+from src.data.batching import micro_batches, pair_sizes  # noqa: E402
+from src.distributed import process_group, shard_steps, world_from_env  # noqa: E402
+from src.memory import MemoryStrategy  # noqa: E402
+from tests.helpers import BOS, EOS, PAD, make_split, model_and_trainer  # noqa: E402
+
+ORDER = [[0, 1, 2, 3], [4, 5, 6, 7], [0, 2, 4, 6]]  # the epoch's batches: two steps on two ranks
+
+
+def main(out: Path, accum: int) -> None:
+    world = world_from_env()
+    split = make_split()
+    sizes = pair_sizes(split)
+    with process_group(world, torch.device("cpu")):
+        model, trainer = model_and_trainer(MemoryStrategy(accum_steps=accum), world=world)
+        calls: list[int] = []
+
+        def counting_hook(state, bucket):
+            calls[-1] += 1
+            return allreduce_hook(None, bucket)
+
+        trainer.net.register_comm_hook(None, counting_hook)
+        for indices, real, group in shard_steps(ORDER, world):
+            calls.append(0)
+            step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
+            trainer.step(micro_batches(split, indices, sizes, accum, PAD, BOS, EOS), step_tokens, real)
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls},
+                   out / f"rank{world.rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

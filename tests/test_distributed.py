@@ -1,0 +1,87 @@
+"""Data-parallel training under torchrun (gloo on the CPU): the same update as one process, one gradient
+synchronization per optimizer step, and a run of train.py whose files rank 0 alone writes."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.data.batching import micro_batches, pair_sizes
+from src.distributed import World, shard_steps
+from src.memory import MemoryStrategy
+
+from .conftest import FAST
+from .ddp_worker import ORDER
+from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer
+
+TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str, nproc: int = 2, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_each_example_counts_once_per_epoch_across_the_ranks():
+    order = [[0, 1], [2], [3, 4, 5], [6], [7, 8]]
+    for size in (1, 2, 3, 4):
+        seen = []
+        for rank in range(size):
+            steps = shard_steps(order, World(rank=rank, size=size))
+            assert len(steps) == -(-len(order) // size)  # every rank takes the same number of steps
+            seen += [i for indices, real, _ in steps if real for i in indices]
+        assert sorted(seen) == list(range(9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", [1, 4])
+def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_path, accum):
+    proc = torchrun("tests/ddp_worker.py", str(tmp_path), str(accum))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # One process, plain SGD (update = lr x gradient, so equal parameters mean equal gradients), each step's
+    # batches on both ranks accumulated: step 1 = batches 0 and 1, step 2 = batch 2 (rank 1's dummy adds nothing).
+    split = make_split()
+    model, trainer = model_and_trainer(MemoryStrategy(accum_steps=2 * accum))
+    for group in (ORDER[:2], ORDER[2:]):
+        indices = [i for b in group for i in b]
+        trainer.step(micro_batches(split, indices, pair_sizes(split), len(group) * accum, PAD, BOS, EOS))
+    reference = torch.cat([p.detach().flatten() for p in model.parameters()])
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        params = torch.cat([p.flatten() for p in got["params"]])
+        assert ((params - reference).norm() / reference.norm()).item() < 1e-5
+        # One synchronization per optimizer step, during the last micro-batch's backward: as many hook calls
+        # (one per gradient bucket) with 4 micro-batches as with 1; without no_sync there would be 4 times more.
+        assert got["hook_calls"][0] == got["hook_calls"][1] >= 1
+        if accum == 4:
+            assert got["hook_calls"][0] < accum
+
+
+@pytest.mark.slow
+def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
+                    "memory=accum", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}",
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
+    assert summary["test_bleu"] is not None and (run / "checkpoints" / "best.pt").is_file()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # one row per logged window, from rank 0 only
+    # The tokens of both ranks' batches: 2 ranks x 2 steps x 16 pairs of the 200-pair split.
+    assert sum(r["src_tokens"] for r in rows if "loss" in r) > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
