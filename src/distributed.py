@@ -103,6 +103,33 @@ def fully_shard_net(net: torch.nn.Module) -> None:
     fully_shard(net)
 
 
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as one process holds them. memory=fsdp: gathered from the
+    shards into CPU memory, on rank 0 (a collective: every rank calls it); the optimizer's state is then keyed
+    by parameter name, so such a checkpoint resumes with memory=fsdp."""
+    if not sharded:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                    sharded: bool) -> None:
+    """``full_state``'s inverse: each rank keeps its shard of the full tensors."""
+    if not sharded:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
 def shard_steps(order: list[list[int]], world: World) -> list[tuple[list[int], bool, list[list[int]]]]:
     """(this rank's batch, whether it is real, the step's batches on all ranks) for each optimizer step: step
     ``s`` takes batches ``s*N .. s*N+N-1`` of the epoch's order, batch ``s*N + rank`` for this rank. When the

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -158,6 +159,11 @@ def region(category: str):
         tracker.category = previous
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What a tensor holds in this process: a DTensor's (memory=fsdp) local shard, else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages on one device type, split by category (``CATEGORIES``).
 
@@ -194,7 +200,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         for t in tree_leaves(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
-            storage = t.untyped_storage()
+            storage = _local(t).untyped_storage()
             if storage in self._seen:
                 continue
             entry = [storage.nbytes(), category or self.category]
@@ -208,7 +214,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
-        entry = self._seen.get(tensor.untyped_storage())
+        entry = self._seen.get(_local(tensor).untyped_storage())
         if entry is not None and entry[1] != category:
             self.live_by_category[entry[1]] -= entry[0]
             self.live_by_category[category] = self.live_by_category.get(category, 0) + entry[0]

@@ -30,7 +30,7 @@ from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_siz
 from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
-from .distributed import World, fully_shard_net, process_group, shard_steps, world_from_env
+from .distributed import World, full_state, fully_shard_net, load_full_state, process_group, shard_steps, world_from_env
 from .errors import ConfigError, DataError, NumericalError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
@@ -339,11 +339,22 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     decode_s: dict[str, float] = {}
 
-    def evaluate(split: str) -> tuple[dict, list[str]]:
+    plain: list[Transformer] = []  # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
+
+    def evaluation_model(model_state: dict | None) -> Transformer:
+        """The model to evaluate: the trained one, or under memory=fsdp a plain copy with its gathered weights."""
+        if not strategy.fsdp:
+            return model
+        if not plain:
+            plain.append(build_model(conf["model"], encoded).to(device))
+        plain[0].load_state_dict(model_state)
+        return plain[0]
+
+    def evaluate(m: Transformer, split: str) -> tuple[dict, list[str]]:
         s = encoded.splits[split]
         t0 = time.perf_counter()
         hyp_ids = translate_ids(
-            model, s.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"], autocast
+            m, s.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"], autocast
         )
         decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
@@ -365,8 +376,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     resumed = find_resume(conf.get("ckpt_path"), tr.get("resume"), ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])
         trainer.scaler.load_state_dict(ckpt["scaler"])
         p = Progress(**ckpt["progress"])
@@ -389,34 +399,38 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
 
-    def save(path: Path | None = None) -> None:
+    def save(path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
         """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
-        every rank (each rank's random generators are gathered); rank 0 writes it."""
+        every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
         p.totals = window.totals()
+        model_state, optim_state = states or full_state(model, optimizer, strategy.fsdp)
         rng = rng_state()
-        ranks = world.gather(rng) if world.distributed and path is None else None
+        ranks = world.gather(rng) if world.distributed else None
         if not world.main:
             return
-        state = dict(model=model.state_dict(), optimizer=optimizer.state_dict(), scheduler=scheduler.state_dict(),
+        state = dict(model=model_state, optimizer=optim_state, scheduler=scheduler.state_dict(),
                      scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks, **ckpt_meta)
         save_checkpoint(path or ckpt_dir / f"step_{p.step:08d}.pt", **state)
         if path is None:
             prune(ckpt_dir, tr.get("keep_last", 3))
 
     def run_eval() -> None:
-        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait."""
+        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores."""
         log_window()  # the training steps so far count; evaluation is neither timed nor measured
         p.last_eval_step = p.step
-        if world.main:
-            validate()
-        world.barrier()
+        states = full_state(model, optimizer, True) if strategy.fsdp else None  # every rank takes part
+        scores = validate(evaluation_model(states and states[0])) if world.main else None
+        scores = world.broadcast(scores)
+        if scores["bleu"] > p.best_bleu:
+            p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
+            save(best_path, states)
         peak.skip_window()
 
-    def validate() -> None:
+    def validate(m: Transformer) -> dict:
         t0 = time.perf_counter()
-        losses = validation_loss(model, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
+        losses = validation_loss(m, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
                                  optim["label_smoothing"], autocast, strategy.loss_chunk)
-        scores, hyps = evaluate("valid")
+        scores, hyps = evaluate(m, "valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
         logger.log(metrics, p.step)
@@ -425,9 +439,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         for i in range(min(tr.get("num_samples", 0), len(hyps))):
             log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
         log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
-        if scores["bleu"] > p.best_bleu:
-            p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
-            save(best_path)
+        return scores
 
     def train_step(indices: list[int], real: bool, group: list[list[int]]):
         """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
@@ -516,8 +528,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         world.barrier()
         return {**info, "steps": p.step}
     # The test set is translated once, by the checkpoint with the best validation BLEU.
-    model.load_state_dict(load_checkpoint(best_path, device)["model"])
-    test_scores, test_hyps = evaluate("test")
+    best = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
+    best.load_state_dict(load_checkpoint(best_path, device)["model"])
+    test_scores, test_hyps = evaluate(best, "test")
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
     log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], p.best_step, test_scores["bleu_signature"])
     world.barrier()

@@ -85,3 +85,48 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     # The tokens of both ranks' batches: 2 ranks x 2 steps x 16 pairs of the 200-pair split.
     assert sum(r["src_tokens"] for r in rows if "loss" in r) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
+
+
+@pytest.mark.slow
+def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(tmp_path):
+    runs = {}
+    for memory in ("none", "fsdp"):
+        run = tmp_path / memory
+        proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4",
+                        "trainer.eval_every=4", f"memory={memory}", "logger=none", f"hydra.run.dir={run}",
+                        f"paths.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[memory] = (json.loads((run / "summary.json").read_text()),
+                        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
+    ddp, fsdp = runs["none"][0], runs["fsdp"][0]
+    assert fsdp["status"] == "completed" and fsdp["strategy"] == "fsdp" and fsdp["test_bleu"] is not None
+    # Rank 0's tracked memory at its peak: parameters (and buffers, which are not sharded: the two sinusoidal
+    # position tables) and Adam's state, against DDP's full copies.
+    mib = 2**20
+    params = ddp["parameters"] * 4 / mib
+    buffers = 2 * 4096 * 128 * 4 / mib  # model=tiny: two position tables of 4,096 x 128 fp32
+    assert ddp["peak_memory_split_mb"]["parameters"] == pytest.approx(params + buffers, abs=0.1)
+    assert fsdp["peak_memory_split_mb"]["parameters"] == pytest.approx(params / 2 + buffers, abs=0.1)
+    assert ddp["peak_memory_split_mb"]["optimizer"] == pytest.approx(2 * params, abs=0.1)
+    assert fsdp["peak_memory_split_mb"]["optimizer"] == pytest.approx(params, abs=0.1)
+    # The same training: FSDP's sharded update equals DDP's replicated one.
+    losses = {m: [r["loss"] for r in rows if "loss" in r] for m, (_, rows) in runs.items()}
+    assert losses["fsdp"] == pytest.approx(losses["none"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path):
+    """Checkpoints of a sharded run hold the gathered weights, Adam's state and every rank's random generators
+    (dropout is on): stopped at step 4 and resumed, it logs the losses of the run that never stopped."""
+    common = [*FAST, "data.train_size=200", "trainer.eval_every=4", "trainer.log_every=1", "trainer.save_every=4",
+              "memory=fsdp", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
+    for run, steps, extra in (("full", 8, []), ("resumed", 4, []), ("resumed", 8, ["trainer.resume=auto"])):
+        proc = torchrun(str(ROOT / "train.py"), *common, f"trainer.max_steps={steps}",
+                        f"hydra.run.dir={tmp_path / run}", *extra, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {run: [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
+                    if "loss" in r] for run in ("full", "resumed")}
+    assert [s for s, _ in losses["resumed"]] == list(range(1, 9))
+    assert losses["resumed"] == losses["full"]
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
