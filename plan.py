@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
     s = est.shape
     print(f"model={conf['model']['name']} ({est.parameters / 1e6:.1f}M parameters, vocabularies "
-          f"{info['src_vocab']:,}/{info['tgt_vocab']:,}), memory: {strategy.label}")
+          f"{info['src_vocab']:,}/{info['tgt_vocab']:,}), memory: {strategy.label}"
+          + (f", one rank of {info['world_size']} (plan.world_size)" if "world_size" in info else ""))
     print(f"worst-case step: {s.accum_steps} micro-batch(es) of {s.pairs} pairs, {s.src_len} source and "
           f"{s.tgt_len} target positions each" + (f" (measured on the data: {', '.join(info['from_data'])})"
                                                   if info["from_data"] else ""))

@@ -164,6 +164,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+_RESIZE = torch.UntypedStorage.resize_
+
+
+def _tracked_resize(storage, size):
+    out = _RESIZE(storage, size)
+    for tracker in _ACTIVE:
+        tracker.resized(storage, storage.nbytes())
+    return out
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages on one device type, split by category (``CATEGORIES``).
 
@@ -185,12 +195,29 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._hooks: list = []
 
     def __enter__(self):
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _tracked_resize
         _ACTIVE.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _RESIZE
         return super().__exit__(*exc)
+
+    def resized(self, storage, nbytes: int) -> None:
+        """A tracked storage changed size in place: FSDP frees a gathered parameter with ``resize_(0)`` and
+        gathers it again into the same storage (no operator a dispatch mode sees)."""
+        entry = self._seen.get(storage)
+        if entry is None:
+            return
+        self.live += nbytes - entry[0]
+        self.live_by_category[entry[1]] += nbytes - entry[0]
+        entry[0] = nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_category = dict(self.live_by_category)
 
     def _free(self, entry: list) -> None:
         self.live -= entry[0]

@@ -25,10 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .data.batching import Batch
+from .distributed import World, fully_shard_net
 from .errors import ConfigError
 from .memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker
 from .model import ModelArgs, Transformer
-from .trainer import Trainer, inverse_sqrt_schedule
+from .trainer import LossModule, Trainer, inverse_sqrt_schedule
 
 MiB = 2**20
 GiB = 2**30
@@ -108,8 +109,9 @@ class _Ledger:
 
 
 def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, label_smoothing: float = 0.1,
-                  clip_grad_norm: float | None = 1.0) -> Estimate:
-    """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors."""
+                  clip_grad_norm: float | None = 1.0, world_size: int = 2) -> Estimate:
+    """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors; with
+    memory=fsdp, one of ``world_size`` ranks' (``shard_estimate``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     started = time.perf_counter()
@@ -136,7 +138,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
             trainer.step(micro)
         tracker.unwatch()
     marks = ledger.marks
-    return Estimate(
+    est = Estimate(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
         forward_delta=marks["forward_end"] - marks["forward_start"],
@@ -145,18 +147,50 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         shape=shape,
         seconds=time.perf_counter() - started,
     )
+    return shard_estimate(est, args, world_size) if strategy.fsdp else est
+
+
+def shard_estimate(est: Estimate, args: ModelArgs, world_size: int) -> Estimate:
+    """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
+    the rest). Parameters (not buffers), gradients and Adam's state are divided by the ranks. Added: the root
+    unit's gathered parameters (embeddings, norms, output projection), which stay gathered from forward to
+    backward, and one layer's, gathered again in backward with its unsharded gradient before the reduce-scatter
+    (counted as backward). Checked against a 2-rank run in tests/test_distributed.py."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    params = sum(size.values())
+    layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
+    gathered = (params - sum(layers)) + max(layers, default=0)
+    split = dict(est.by_category)
+    saved = 0
+    for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
+                            ("optimizer", split.get("optimizer", 0))):
+        cut = min(total, split.get(category, 0)) * (1 - 1 / world_size)
+        split[category] = split.get(category, 0) - cut
+        saved += cut
+    split["backward"] = split.get("backward", 0) + gathered
+    return dataclasses.replace(est, peak_bytes=int(est.peak_bytes - saved + gathered),
+                               by_category={k: int(v) for k, v in split.items()})
 
 
 def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
-                 label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0) -> dict[str, int]:
+                 label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0,
+                 world: World | None = None) -> dict[str, int]:
     """What ``estimate_step`` predicts, measured: a real training step (the second, after Adam's state exists)
     on a random batch of ``shape`` with no padding. On the CPU the tracker's peak; on CUDA the allocator's
-    ``max_memory_allocated`` and ``max_memory_reserved`` during the step."""
+    ``max_memory_allocated`` and ``max_memory_reserved`` during the step. memory=fsdp: this rank's, inside the
+    process group of ``world``."""
     torch.manual_seed(0)
     model = Transformer(args).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
+    net = LossModule(model, args.pad_id, label_smoothing, strategy.loss_chunk)
+    if strategy.fsdp:
+        fully_shard_net(net)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=not strategy.fsdp)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
-    trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm)
+    trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm,
+                      world, net)
 
     def batch() -> Batch:
         b, s, t = shape.pairs, shape.src_len, shape.tgt_len
@@ -177,7 +211,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     with tracker:
         trainer.step(micro)
     tracker.unwatch()
-    return {"peak": tracker.peak}
+    return {"peak": tracker.peak, **{f"{k}_bytes": v for k, v in tracker.peak_by_category.items()}}
 
 
 TINY = dict(d_model=128, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2)
@@ -222,6 +256,8 @@ def cost_note(strategy: MemoryStrategy) -> str:
         notes.append("truncate: cut tokens cost BLEU")
     if strategy.max_tokens:
         notes.append("tokens: less padding")
+    if strategy.fsdp:
+        notes.append("fsdp: parameters gathered for each layer in forward and backward, gradients reduce-scattered")
     return "; ".join(notes) or "baseline"
 
 

@@ -169,7 +169,9 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
         return strategy, est, info
     shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
                                      strategy.accum_steps)
-    return strategy, planner.estimate_step(args, strategy, shape, ls, clip), info
+    if strategy.fsdp:
+        info["world_size"] = plan.get("world_size", 2)
+    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2)), info
 
 
 def seed_everything(seed: int) -> None:
@@ -373,7 +375,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device, world)
-    resumed = find_resume(conf.get("ckpt_path"), tr.get("resume"), ckpt_dir)
+    resumed = find_resume(conf.get("ckpt_path"), resume_setting(tr), ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
@@ -618,12 +620,33 @@ def stop_on_signals():
         flag.signum = signum
         log.warning("%s received: stopping after this step", signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGUSR2 too where a handler listens for it: submitit's, which requeues a SLURM job before its time limit or
+    # on preemption. The run checkpoints first; train.py then hands the signal on (pass_on_signal).
+    listened = [s for s in (signal.SIGUSR1, signal.SIGUSR2) if callable(signal.getsignal(s))]
+    signals = [signal.SIGINT, signal.SIGTERM, *listened]
+    previous = {s: signal.signal(s, handler) for s in signals}
     try:
         yield flag
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def pass_on_signal(signum: int) -> None:
+    """After an interrupted run wrote its checkpoint: SIGUSR1/SIGUSR2 go to the handler that listened before the
+    run (submitit requeues the job, which then resumes); nothing to do for the others."""
+    previous = signal.getsignal(signum)
+    if signum in (signal.SIGUSR1, signal.SIGUSR2) and callable(previous):
+        previous(signum, None)
+
+
+def resume_setting(trainer: dict) -> str | None:
+    """trainer.resume, or ``auto`` for a job that SLURM requeued (after a preemption or a time limit)."""
+    if trainer.get("resume") is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        log.info("SLURM_RESTART_COUNT=%s: a requeued job resumes from its newest checkpoint",
+                 os.environ["SLURM_RESTART_COUNT"])
+        return "auto"
+    return trainer.get("resume")
 
 
 def _fault_settings(conf: dict) -> dict:

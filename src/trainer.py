@@ -163,8 +163,8 @@ class Trainer:
         model, opt, scaler = self.model, self.optimizer, self.scaler
         model.train()
         local_tokens = sum(b.n_tgt_tokens for b in micro_batches)
-        # DDP averages the gradients over the ranks; multiplying by their number leaves the sum over all tokens
-        scale = (self.world.size if self.world.distributed else 1) * real / (step_tgt_tokens or local_tokens)
+        # DDP averages the gradients over the ranks; dividing by tokens / ranks leaves the sum over all tokens
+        divisor = (step_tgt_tokens or local_tokens) / (self.world.size if self.world.distributed else 1)
         loss_total = torch.zeros((), device=self.device)
         nll_total = torch.zeros((), device=self.device)
         mark = self.ledger or (lambda point: None)
@@ -180,7 +180,7 @@ class Trainer:
                     loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
                 mark("forward_end")
                 with region("backward"):
-                    scaler.scale(loss_sum * scale).backward()
+                    scaler.scale(loss_sum / divisor if real else loss_sum * 0.0).backward()
                 mark("backward_end")
             if real:
                 loss_total += loss_sum.detach()

@@ -1,6 +1,7 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): data-parallel steps of the project's Trainer.
 
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps and the number of DDP communication-hook
@@ -45,5 +46,21 @@ def main(out: Path, accum: int) -> None:
                    out / f"rank{world.rank}.pt")
 
 
+def fsdp_peak(out: Path) -> None:
+    """The planner's check under memory=fsdp: each rank's tracked peak of a real training step (the validation
+    case's model and batch), against what src/planner.py estimates for one of two ranks."""
+    from src.model import ModelArgs
+    from src.planner import TINY, StepShape, measure_step
+
+    world = world_from_env()
+    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
+    with process_group(world, torch.device("cpu")):
+        peak = measure_step(args, MemoryStrategy(fsdp=True), StepShape(16, 21, 19), torch.device("cpu"), world=world)
+    torch.save(peak, out / f"fsdp_peak{world.rank}.pt")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    if sys.argv[2] == "fsdp-peak":
+        fsdp_peak(Path(sys.argv[1]))
+    else:
+        main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -130,3 +130,21 @@ def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path):
     assert losses["resumed"] == losses["full"]
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
+
+
+@pytest.mark.slow
+def test_the_planner_knows_fsdps_sharded_sizes(tmp_path):
+    from src.model import ModelArgs
+    from src.planner import TINY, StepShape, estimate_step
+
+    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-peak")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = [torch.load(tmp_path / f"fsdp_peak{r}.pt", weights_only=True)["peak"] for r in (0, 1)]
+    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
+    shape = StepShape(16, 21, 19)
+    sharded = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=2)
+    whole = estimate_step(args, MemoryStrategy(), shape)
+    for peak in measured:
+        assert abs(sharded.peak_bytes - peak) / peak < 0.10
+    assert sharded.by_category["optimizer"] == pytest.approx(whole.by_category["optimizer"] / 2, rel=0.01)
+    assert sharded.peak_bytes < whole.peak_bytes

@@ -1,0 +1,69 @@
+"""SLURM sweeps through hydra-submitit-launcher: the launcher preset composes with what a cluster needs, and a
+signalled job checkpoints, then hands the signal to submitit (which requeues it) and resumes when requeued."""
+
+import os
+import signal
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from src.run import pass_on_signal, resume_setting, stop_on_signals
+
+from .conftest import CONF
+from .helpers import run_cli
+
+
+def launcher(*overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", *overrides], return_hydra_config=True)
+    return cfg.hydra.launcher
+
+
+def test_the_slurm_preset_extends_submitits_launcher():
+    cfg = launcher("hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=600")
+    assert cfg._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert cfg.partition == "gpu" and cfg.timeout_min == 600
+    # one GPU per job and one job per array task: each job's peak memory is its own
+    assert cfg.gpus_per_node == 1 and cfg.tasks_per_node == 1 and cfg.nodes == 1
+    # requeued on a time limit or a preemption, with time to checkpoint after the signal
+    assert cfg.max_num_timeout > 0 and cfg.signal_delay_s >= 60
+    # submitit's logs inside the sweep directory, next to the jobs' run directories
+    assert OmegaConf.to_container(cfg)["submitit_folder"].startswith("${hydra.sweep.dir}")
+
+
+def test_train_py_composes_the_slurm_launcher_on_the_command_line():
+    proc = run_cli("train.py", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "memory=amp", "--cfg", "hydra")
+    assert proc.returncode == 0, proc.stderr
+    assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
+    proc = run_cli("train.py", "hydra/launcher=submitit_slurm", "--cfg", "hydra")  # the plugin's own preset
+    assert proc.returncode == 0 and "SlurmLauncher" in proc.stdout, proc.stderr
+
+
+def test_submitits_signal_waits_for_the_checkpoint_then_reaches_submitit():
+    calls = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))  # as submitit does
+    try:
+        with stop_on_signals() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.signum == signal.SIGUSR2 and calls == []  # the run stops after its step and checkpoints
+        pass_on_signal(signal.SIGUSR2)  # train.py, once the checkpoint is written
+        assert calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_without_a_listener_sigusr2_is_left_alone():
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    with stop_on_signals():
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize("restarts,setting,expected", [(None, None, None), ("0", None, None), ("1", None, "auto"),
+                                                       ("2", "auto", "auto")])
+def test_a_requeued_job_resumes(monkeypatch, restarts, setting, expected):
+    if restarts is None:
+        monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+    assert resume_setting({"resume": setting}) == expected
