@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from src.config_check import check_command_line
 from src.errors import UserError
-from src.run import train
+from src.run import pass_on_signal, train
 
 log = logging.getLogger("train")
 failed_jobs: list[tuple[str, bool]] = []  # this process's failed sweep jobs: (what failed, fail_on_error)
@@ -31,9 +31,11 @@ def main(cfg: DictConfig) -> float:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         summary = train(cfg)
-    except KeyboardInterrupt as e:  # SIGINT / SIGTERM: a checkpoint was written (summary: interrupted)
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)
         log.error("interrupted: %s", e)
-        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+        signum = getattr(e, "signum", signal.SIGINT)
+        pass_on_signal(signum)  # submitit's SIGUSR2: it requeues the SLURM job, which resumes
+        sys.exit(128 + signum)
     except Exception as e:  # summary.json and the W&B run already record it
         if isinstance(e, UserError):
             log.error("error: %s", e)  # one line naming the key, file or line
