@@ -32,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a PyTorch build without torch.distributed: no sharded tensors
+    DTensor = ()
 
 log = logging.getLogger(__name__)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -294,6 +298,8 @@ class PeakMemory:
         self.last: dict[str, float] = {}  # the ledger of the window's last sampled step, in MiB
         self._marks: dict[str, int] | None = None
         self._recording = False
+        if self.cuda:  # a sweep's jobs share a process: this run's figures start here
+            torch.cuda.reset_peak_memory_stats(device)
 
     @property
     def available(self) -> bool:

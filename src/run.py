@@ -110,6 +110,8 @@ def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id
     d_model, n_heads = fields.get("d_model", 512), fields.get("n_heads", 8)
     if isinstance(d_model, int) and isinstance(n_heads, int) and (n_heads < 1 or d_model % n_heads):
         raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
+    if fields.get("init", "xavier") not in ("xavier", "fairseq"):
+        raise ConfigError(f"model.init={fields['init']}: expected xavier or fairseq")
     try:
         return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
     except TypeError as e:

@@ -32,6 +32,14 @@ WARMUP = 20
 BASE = ["model.encoder_layers=6", "model.decoder_layers=6", "model.d_model=512", "model.n_heads=8", "model.d_ff=2048"]
 
 
+def commit() -> str:
+    """The commit measured, with ``+changes`` when the working tree differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return (head.stdout.strip() or "unknown") + ("+changes" if dirty else "")
+
+
 def run_train(run_dir: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "train.py", "experiment=throughput_ref", "trainer.progress=false",
            f"hydra.run.dir={run_dir}", *overrides]
@@ -55,29 +63,40 @@ def run_train(run_dir: Path, overrides: list[str]) -> dict:
     }
 
 
-def flops_per_step(overrides: list[str], samples: int = 12) -> float:
-    """Mean FLOPs of a training step over the first ``samples`` batches of epoch 0 of this config."""
+def reference(overrides: list[str]) -> tuple[dict, object, object, object]:
+    """The reference workload's resolved config with ``overrides``, its memory strategy, its encoded corpus and
+    its training split, prepared as train.py prepares them."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from src.data.batching import epoch_batches, micro_batches, pair_sizes
     from src.memory import memory_strategy
-    from src.run import build_model, prepare_data
+    from src.run import prepare_data
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["experiment=throughput_ref", "paths.output_dir=.", *overrides])
     conf = OmegaConf.to_container(cfg, resolve=True)
     strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
     _, encoded, split, _ = prepare_data(conf, strategy, download_ok=False)
+    return conf, strategy, encoded, split
+
+
+def flops_per_step(overrides: list[str], samples: int = 12, device: str = "cpu") -> float:
+    """Mean FLOPs of a training step over the first ``samples`` batches of epoch 0 of this config (counted from
+    shapes, so the device only sets how long the count takes)."""
+    from src.data.batching import epoch_batches, micro_batches, pair_sizes
+    from src.run import build_model
+
+    conf, strategy, encoded, split = reference(overrides)
     torch.manual_seed(0)
-    model = build_model(conf["model"], encoded)
+    model = build_model(conf["model"], encoded).to(device)
     model.train()
     codec = encoded.tgt_codec
     sizes = pair_sizes(split)
     order = epoch_batches(sizes, conf["data"]["batch_size"], strategy.max_tokens, True, conf["seed"], 0)
     total = 0
     for indices in order[:samples]:
-        batches = micro_batches(split, indices, sizes, 1, codec.pad_id, codec.bos_id, codec.eos_id)
+        batches = [b.to(torch.device(device)) for b in
+                   micro_batches(split, indices, sizes, 1, codec.pad_id, codec.bos_id, codec.eos_id)]
         flops, _ = step_flops(model, batches, codec.pad_id, conf["optim"]["label_smoothing"])
         total += flops
     return total / samples
@@ -88,6 +107,7 @@ def main() -> None:
     parser.add_argument("--root", default=os.environ.get("MULTI30K_ROOT") or str(ROOT.parent / "shared/data/multi30k"))
     parser.add_argument("--base", action="store_true", help="also model=base (6+6, d_model 512) for --base-steps")
     parser.add_argument("--base-steps", type=int, default=60)
+    parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run, e.g. trainer.compile=true")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -96,11 +116,13 @@ def main() -> None:
     rate = matmul_rate(torch.float32)
     print(f"fp32 matrix products: {rate / 1e9:.0f} GFLOP/s ({torch.get_num_threads()} threads)", flush=True)
 
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+    results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(),
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                "torch": torch.__version__, "threads": torch.get_num_threads(), "matmul_fp32_gflops": round(rate / 1e9, 1)}
-    configs = {"reference": []}
+    configs = {"reference": [*args.extra]}
     if args.base:
-        configs["model=base"] = [*BASE, f"trainer.max_steps={args.base_steps}", f"trainer.eval_every={args.base_steps}"]
+        configs["model=base"] = [*BASE, f"trainer.max_steps={args.base_steps}", f"trainer.eval_every={args.base_steps}",
+                                 *args.extra]
     for name, overrides in configs.items():
         r = run_train(runs / name.replace("=", "_"), overrides)
         flops = flops_per_step(overrides)
@@ -112,7 +134,8 @@ def main() -> None:
 
     out = Path(args.out)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    lines = [f"{results['date']}, {results['machine']}, torch {results['torch']}, {results['threads']} threads; "
+    lines = [f"{results['date']}, commit {results['commit']}, {results['machine']}, torch {results['torch']}, "
+             f"{results['threads']} threads; "
              f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s.", "",
              "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak RSS (MB) | loss at last step | test BLEU | "
              "decode test (s) | GFLOP/step | achieved GFLOP/s | of matmul rate |",

@@ -1,0 +1,125 @@
+"""What each speed choice of the trainer is worth on the reference workload: `python experiments/throughput/ablate.py`.
+
+Times training steps of experiment=throughput_ref with the project's Trainer, once as train.py runs it and once
+with each choice undone, on the same batches (epoch 0's order, seed 1234): --warmup steps untimed, then --steps
+timed. A fresh model and optimizer per variant, so each starts from the same weights. Writes ablation.md and
+ablation.json next to this file (or into --out). Needs the Multi30k files (MULTI30K_ROOT or --root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+
+from run import ROOT, commit, reference  # noqa: E402
+from src.data.batching import batch_indices, epoch_batches, micro_batches, pair_sizes  # noqa: E402
+from src.memory import TensorMemoryTracker  # noqa: E402
+from src.run import build_model, build_optimizer  # noqa: E402
+from src.trainer import Trainer  # noqa: E402
+
+# name: (what is undone, settings). The first is the trainer as train.py runs experiment=throughput_ref.
+VARIANTS = {
+    "as train.py runs it": ("", {}),
+    "sentence batches of 128, no length bucketing": (
+        "token batches of 2,000 sorted by length (the plain loop's batching instead)", {"batching": "random128"}),
+    "Adam foreach": ("fused Adam (one kernel for all parameters)", {"adam": "foreach"}),
+    "Adam for-loop": ("fused Adam", {"adam": "loop"}),
+    "zero_grad(set_to_none=False)": ("set_to_none: gradients freed, not zero-filled", {"set_to_none": False}),
+    "1 thread": ("PyTorch's default threads (one per core)", {"threads": 1}),
+    "tensor-memory tracking on": ("trainer.track_memory=false in the preset", {"track": True}),
+}
+
+
+def batches_for(settings: dict, conf: dict, strategy, split, codec, n: int) -> list:
+    sizes = pair_sizes(split)
+    if settings.get("batching") == "random128":  # pool_batches=1: each batch is 128 random pairs
+        order = batch_indices(sizes, 128, shuffle=True, seed=conf["seed"], epoch=0, pool_batches=1)
+    else:
+        order = epoch_batches(sizes, conf["data"]["batch_size"], strategy.max_tokens, True, conf["seed"], 0)
+    return [micro_batches(split, idx, sizes, 1, codec.pad_id, codec.bos_id, codec.eos_id) for idx in order[:n]]
+
+
+def time_variant(settings: dict, conf: dict, strategy, encoded, split, warmup: int, steps: int) -> dict:
+    codec = encoded.tgt_codec
+    batches = batches_for(settings, conf, strategy, split, codec, warmup + steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.get("threads", threads))
+    torch.manual_seed(conf["seed"])
+    model = build_model(conf["model"], encoded)
+    optimizer, scheduler, _ = build_optimizer(model, conf["optim"], torch.device("cpu"))
+    if "adam" in settings:  # the same optimizer without the fused kernel
+        optimizer = torch.optim.Adam(model.parameters(), lr=optimizer.param_groups[0]["initial_lr"], betas=(0.9, 0.98),
+                                     eps=1e-9, foreach=settings["adam"] == "foreach")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scheduler.lr_lambdas[0])
+    if not settings.get("set_to_none", True):
+        zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=False)
+    trainer = Trainer(model, optimizer, scheduler, strategy, torch.device("cpu"), codec.pad_id,
+                      conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"])
+    tokens = 0
+    seconds = 0.0
+    for i, mbs in enumerate(batches):
+        tracker = TensorMemoryTracker("cpu") if settings.get("track") else None
+        start = time.perf_counter()
+        if tracker:
+            tracker.watch(model)
+            with tracker:
+                stats = trainer.step(mbs)
+            tracker.unwatch()
+        else:
+            stats = trainer.step(mbs)
+        if i >= warmup:
+            seconds += time.perf_counter() - start
+            tokens += stats.n_src_tokens + stats.n_tgt_tokens
+    torch.set_num_threads(threads)
+    padded = sum(b.n_padded for mbs in batches for b in mbs)
+    real = sum(b.n_src_tokens + b.n_tgt_tokens for mbs in batches for b in mbs)
+    return {"tokens_per_s": round(tokens / seconds, 1), "s_per_step": round(seconds / steps, 4),
+            "padding_ratio": round(1 - real / padded, 3), "last_loss_per_token": round(
+                stats.loss_sum.item() / stats.n_tgt_tokens, 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default=os.environ.get("MULTI30K_ROOT") or str(ROOT.parent / "shared/data/multi30k"))
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--only", nargs="*", help="variant names (default: all)")
+    parser.add_argument("--out", default=str(HERE))
+    args = parser.parse_args()
+    os.environ["MULTI30K_ROOT"] = args.root
+    conf, strategy, encoded, split = reference([])
+    results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "warmup": args.warmup, "steps": args.steps, "variants": {}}
+    for name, (undone, settings) in VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        r = time_variant(settings, conf, strategy, encoded, split, args.warmup, args.steps)
+        results["variants"][name] = {"undoes": undone, **r}
+        print(name, r, flush=True)
+    out = Path(args.out)
+    (out / "ablation.json").write_text(json.dumps(results, indent=2) + "\n")
+    base = next(iter(results["variants"].values()))["tokens_per_s"]
+    lines = [f"{results['date']}, commit {results['commit']}, torch {results['torch']}, "
+             f"{results['threads']} threads (default); "
+             f"{args.steps} steps timed after {args.warmup}, the same batches for every variant.", "",
+             "| variant | undoes | tokens/s | s/step | against the trainer | padding |", "|---|---|---|---|---|---|"]
+    for name, r in results["variants"].items():
+        lines.append(f"| {name} | {r['undoes'] or '-'} | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
+                     f"{r['tokens_per_s'] / base:.2f}x | {r['padding_ratio']:.1%} |")
+    (out / "ablation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

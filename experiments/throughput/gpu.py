@@ -1,0 +1,130 @@
+"""Everything this repository measures on a GPU, in one command (about 8 minutes on one H200):
+
+    MULTI30K_ROOT=/path/to/multi30k python experiments/throughput/gpu.py [--out DIR] [--steps 200]
+
+1. the card's bf16 and fp32 matrix-multiply rates (8192 x 8192 products);
+2. model=base (6+6, d_model 512, 8 heads, FFN 2048) on the throughput reference workload, trained by `train.py` at
+   bf16 autocast (memory=amp) with batches of --max-tokens tokens: tokens/s and seconds per step after 20
+   warm-up steps, peak CUDA memory (allocated and reserved), FLOPs per step (FlopCounterMode on the run's own
+   batches) and MFU, against the measured bf16 rate and against the card's datasheet peak where it is known;
+   the same at fp32 (TF32 off, PyTorch's default) for comparison;
+3. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
+4. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda).
+
+Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 3 and 4 write their
+own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
+Multi30k files; spaCy only if the encoded corpus is not already in the cache (MT_CACHE_DIR or .cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from run import BASE, commit, flops_per_step, run_train  # noqa: E402
+from src.flops import matmul_rate  # noqa: E402
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by a name fragment.
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0,
+                         "L40S": 362.1, "A10G": 70.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
+
+
+def datasheet_peak(name: str) -> float | None:
+    return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+
+
+def sub(script: str, *args: str) -> None:
+    cmd = [sys.executable, str(ROOT / script), *args]
+    print("$", " ".join(cmd), flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    print(f"({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default=os.environ.get("MULTI30K_ROOT") or str(ROOT.parent / "shared/data/multi30k"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each model=base run")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
+    parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "memory", "planner"])
+    parser.add_argument("--out", default=str(HERE))
+    args = parser.parse_args()
+    os.environ["MULTI30K_ROOT"] = args.root
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    n = 8192 if cuda else 1024
+    bf16_rate, fp32_rate = matmul_rate(torch.bfloat16, n, 20, device), matmul_rate(torch.float32, n, 20, device)
+    peak = datasheet_peak(name) if cuda else None
+    print(f"{name}: bf16 {bf16_rate / 1e12:.1f} TFLOP/s, fp32 {fp32_rate / 1e12:.1f} TFLOP/s (measured)", flush=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "device": name,
+               "torch": torch.__version__,
+               "cuda": torch.version.cuda, "matmul_bf16_tflops": round(bf16_rate / 1e12, 1),
+               "matmul_fp32_tflops": round(fp32_rate / 1e12, 1),
+               "datasheet_bf16_tflops": peak and round(peak / 1e12, 1), "runs": {}}
+
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    common = [*args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}",
+              f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none"]
+    runs = {"bf16": (["memory=amp"], bf16_rate)}
+    if "fp32" not in args.skip:
+        runs["fp32"] = ([], fp32_rate)
+    for label, (extra, rate) in runs.items():
+        overrides = [*common, *extra]
+        r = run_train(ROOT / "outputs" / "throughput_gpu" / stamp / label, overrides)
+        flops = flops_per_step(overrides, device=args.device)
+        achieved = flops / r["s_per_step"]
+        r |= {"gflops_per_step": round(flops / 1e9, 1), "achieved_tflops": round(achieved / 1e12, 1),
+              "mfu_of_measured_matmul": round(achieved / rate, 3),
+              "mfu_of_datasheet_bf16": peak and round(achieved / peak, 3)}
+        summary = json.loads((ROOT / "outputs" / "throughput_gpu" / stamp / label / "summary.json").read_text())
+        r["peak_memory_mb"], r["peak_reserved_mb"] = summary.get("peak_memory_mb"), summary.get("peak_reserved_mb")
+        results["runs"][label] = r
+        print(label, r, flush=True)
+        write(results, out)
+
+    if "memory" not in args.skip:
+        sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
+            "--out", str(out / "memory_strategies"))
+    if "planner" not in args.skip:
+        sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner"))
+
+
+def write(results: dict, out: Path) -> None:
+    (out / "results_gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    peak = results["datasheet_bf16_tflops"]
+    lines = [f"{results['date']}, commit {results['commit']}, {results['device']}, torch {results['torch']} "
+             f"(CUDA {results['cuda']}); measured "
+             f"matrix products: bf16 {results['matmul_bf16_tflops']} TFLOP/s, fp32 {results['matmul_fp32_tflops']} "
+             f"TFLOP/s; datasheet dense bf16 peak: {peak or 'unknown'} TFLOP/s.", "",
+             "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak allocated (MB) | peak reserved (MB) | "
+             "loss at last step | GFLOP/step | achieved TFLOP/s | of measured matmul rate | of datasheet bf16 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in results["runs"].items():
+        sheet = f"{r['mfu_of_datasheet_bf16']:.1%}" if r["mfu_of_datasheet_bf16"] else "-"
+        lines.append(f"| {label} ({r['steps']} steps) | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.4f} | "
+                     f"{r['peak_memory_mb'] or 0:,.0f} | {r['peak_reserved_mb'] or 0:,.0f} | {r['loss_last']:.3f} | "
+                     f"{r['gflops_per_step']:,.1f} | {r['achieved_tflops']:.1f} | "
+                     f"{r['mfu_of_measured_matmul']:.1%} | {sheet} |")
+    (out / "results_gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
