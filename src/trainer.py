@@ -171,6 +171,8 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
             last = i == len(micro_batches) - 1
+            # DDP: all-reduce in the last micro-batch's backward only. FSDP reduce-scatters in every one, which
+            # keeps gradients sharded between micro-batches (its point: memory) for more communication.
             sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
             with sync:
                 mark("forward_start")
