@@ -38,6 +38,9 @@ def test_train_py_composes_the_slurm_launcher_on_the_command_line():
     assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
     proc = run_cli("train.py", "hydra/launcher=submitit_slurm", "--cfg", "hydra")  # the plugin's own preset
     assert proc.returncode == 0 and "SlurmLauncher" in proc.stdout, proc.stderr
+    # Hydra refuses -m with --cfg; hydra.mode=MULTIRUN composes the sweep's config instead
+    proc = run_cli("train.py", "hydra.mode=MULTIRUN", "hydra/launcher=slurm", "--cfg", "hydra")
+    assert proc.returncode == 0 and "mode: MULTIRUN" in proc.stdout and "SlurmLauncher" in proc.stdout, proc.stderr
 
 
 def test_submitits_signal_waits_for_the_checkpoint_then_reaches_submitit():
