@@ -33,11 +33,16 @@ BASE = ["model.encoder_layers=6", "model.decoder_layers=6", "model.d_model=512",
 
 
 def commit() -> str:
-    """The commit measured, with ``+changes`` when the working tree differs from it."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return (head.stdout.strip() or "unknown") + ("+changes" if dirty else "")
+    """The commit measured, with ``+changes`` when the working tree differs from it ("unknown" without git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    if head.returncode:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def run_train(run_dir: Path, overrides: list[str]) -> dict:
