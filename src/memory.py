@@ -214,14 +214,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         """A tracked storage changed size in place: FSDP frees a gathered parameter with ``resize_(0)`` and
         gathers it again into the same storage (no operator a dispatch mode sees)."""
         entry = self._seen.get(storage)
-        if entry is None:
-            return
-        self.live += nbytes - entry[0]
-        self.live_by_category[entry[1]] += nbytes - entry[0]
-        entry[0] = nbytes
-        if self.live > self.peak:
-            self.peak = self.live
-            self.peak_by_category = dict(self.live_by_category)
+        if entry is not None:
+            self._grow(nbytes - entry[0], entry[1])
+            entry[0] = nbytes
 
     def _free(self, entry: list) -> None:
         self.live -= entry[0]
@@ -237,11 +232,14 @@ class TensorMemoryTracker(TorchDispatchMode):
             entry = [storage.nbytes(), category or self.category]
             self._seen[storage] = entry
             weakref.finalize(storage, self._free, entry)
-            self.live += entry[0]
-            self.live_by_category[entry[1]] = self.live_by_category.get(entry[1], 0) + entry[0]
-            if self.live > self.peak:
-                self.peak = self.live
-                self.peak_by_category = dict(self.live_by_category)
+            self._grow(entry[0], entry[1])
+
+    def _grow(self, nbytes: int, category: str) -> None:
+        self.live += nbytes
+        self.live_by_category[category] = self.live_by_category.get(category, 0) + nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_category = dict(self.live_by_category)
 
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
