@@ -377,7 +377,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device, world)
-    resumed = find_resume(conf.get("ckpt_path"), resume_setting(tr), ckpt_dir)
+    resumed = find_resume(conf.get("ckpt_path"), resume_setting(tr, ckpt_dir), ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
@@ -573,7 +573,8 @@ class Fault:
     """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
     failure mid-run, on any device, is recorded and handled as a real one would be."""
 
-    KINDS = ("oom", "error", "nan_loss", "sigterm", "kill")
+    KINDS = ("oom", "error", "nan_loss", "sigterm", "sigusr2", "kill")
+    SIGNALS = {"sigterm": signal.SIGTERM, "sigusr2": signal.SIGUSR2, "kill": signal.SIGKILL}
 
     def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
         if kind is not None and kind not in self.KINDS:
@@ -583,7 +584,8 @@ class Fault:
     def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:
         """Act on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
         attempt): raise ``oom`` or ``error``, make the step's loss NaN (``nan_loss``), or send this process SIGTERM
-        (``sigterm``: a preemption, handled after the step) or SIGKILL (``kill``: a crash, nothing handled)."""
+        (``sigterm``: a preemption, handled after the step), SIGUSR2 (``sigusr2``: submitit's requeue signal)
+        or SIGKILL (``kill``: a crash, nothing handled)."""
         if self.kind is None or step != self.at_step or self.times <= 0:
             return
         self.times -= 1
@@ -592,8 +594,8 @@ class Fault:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.91 GiB {where}")
         if self.kind == "nan_loss":
             trainer.inject_nonfinite = True
-        elif self.kind in ("sigterm", "kill"):
-            os.kill(os.getpid(), signal.SIGTERM if self.kind == "sigterm" else signal.SIGKILL)
+        elif self.kind in self.SIGNALS:
+            os.kill(os.getpid(), self.SIGNALS[self.kind])
         else:
             raise RuntimeError(f"injected failure {where}")
 
@@ -642,13 +644,19 @@ def pass_on_signal(signum: int) -> None:
         previous(signum, None)
 
 
-def resume_setting(trainer: dict) -> str | None:
-    """trainer.resume, or ``auto`` for a job that SLURM requeued (after a preemption or a time limit)."""
-    if trainer.get("resume") is None and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
-        log.info("SLURM_RESTART_COUNT=%s: a requeued job resumes from its newest checkpoint",
-                 os.environ["SLURM_RESTART_COUNT"])
+def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
+    """trainer.resume, or ``auto`` for a requeued job (after a preemption or a time limit): one that SLURM
+    restarted (SLURM_RESTART_COUNT > 0), or a submitit job whose run directory already holds checkpoints (a
+    sweep's jobs start in fresh directories, so only a requeue finds them)."""
+    if trainer.get("resume") is not None:
+        return trainer["resume"]
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    submitit = os.environ.get("SUBMITIT_EXECUTOR") and any(ckpt_dir.glob("step_*.pt"))
+    if restarts or submitit:
+        log.info("a requeued job (%s): resuming from its newest checkpoint",
+                 f"SLURM_RESTART_COUNT={restarts}" if restarts else "submitit, checkpoints in its run directory")
         return "auto"
-    return trainer.get("resume")
+    return None
 
 
 def _fault_settings(conf: dict) -> dict:

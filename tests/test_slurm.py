@@ -1,6 +1,7 @@
 """SLURM sweeps through hydra-submitit-launcher: the launcher preset composes with what a cluster needs, and a
 signalled job checkpoints, then hands the signal to submitit (which requeues it) and resumes when requeued."""
 
+import json
 import os
 import signal
 
@@ -10,7 +11,7 @@ from omegaconf import OmegaConf
 
 from src.run import pass_on_signal, resume_setting, stop_on_signals
 
-from .conftest import CONF
+from .conftest import CONF, FAST
 from .helpers import run_cli
 
 
@@ -64,9 +65,36 @@ def test_without_a_listener_sigusr2_is_left_alone():
 
 @pytest.mark.parametrize("restarts,setting,expected", [(None, None, None), ("0", None, None), ("1", None, "auto"),
                                                        ("2", "auto", "auto")])
-def test_a_requeued_job_resumes(monkeypatch, restarts, setting, expected):
+def test_a_job_slurm_requeued_resumes(monkeypatch, tmp_path, restarts, setting, expected):
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     if restarts is None:
         monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     else:
         monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
-    assert resume_setting({"resume": setting}) == expected
+    assert resume_setting({"resume": setting}, tmp_path) == expected
+
+
+def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_path):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert resume_setting({"resume": None}, tmp_path) is None  # a sweep's new job: a fresh directory
+    (tmp_path / "step_00000004.pt").write_bytes(b"")
+    assert resume_setting({"resume": None}, tmp_path) == "auto"  # the same job, requeued
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")
+    assert resume_setting({"resume": None}, tmp_path) is None  # outside submitit: only when asked
+
+
+@pytest.mark.slow
+def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path):
+    """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
+    a checkpoint, submitit requeues the job, and the requeued job resumes from step 3 and completes."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *FAST,
+                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2", "fault.at_step=3",
+                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert summary["resumed_from"]["step"] == 3
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*.out"))
+    assert "Requeued job" in logs  # submitit's own line: the signal reached it after the checkpoint
