@@ -271,6 +271,22 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.live_by_category)
 
 
+def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
+                 marks: dict[str, int] | None = None) -> TensorMemoryTracker:
+    """One training step under a new tracker that starts with the model's parameters and the optimizer's state
+    (call it after a first step has created Adam's moments): the tracker, with the step's peak and its split.
+    ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch."""
+    tracker = TensorMemoryTracker(device_type)
+    if marks is not None:
+        trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
+    tracker.watch(trainer.model)
+    tracker.track([t for state in trainer.optimizer.state.values() for t in state.values()], category="optimizer")
+    with tracker:
+        trainer.step(micro_batches)
+    tracker.unwatch()
+    return tracker
+
+
 class PeakMemory:
     """The memory ledger of a run's training steps: CUDA's allocator statistics, or the tracker on the CPU.
 

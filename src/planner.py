@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .data.batching import Batch
 from .distributed import World, fully_shard_net
 from .errors import ConfigError
-from .memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker
+from .memory import CATEGORIES, MemoryStrategy, tracked_step
 from .model import ModelArgs, Transformer
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule
 
@@ -97,17 +97,6 @@ class _EveryPositionIsReal(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Ledger:
-    """Live bytes before and after the first micro-batch's forward and backward (``Trainer.step`` hooks)."""
-
-    def __init__(self, tracker: TensorMemoryTracker):
-        self.tracker = tracker
-        self.marks: dict[str, int] = {}
-
-    def __call__(self, point: str) -> None:
-        self.marks.setdefault(point, self.tracker.live)
-
-
 def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, label_smoothing: float = 0.1,
                   clip_grad_norm: float | None = 1.0, world_size: int = 2) -> Estimate:
     """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors; with
@@ -129,15 +118,8 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         # more of them repeat the second one.
         micro = [_fake_batch(shape, args) for _ in range(min(shape.accum_steps, 2))]
         trainer.step(micro)  # creates Adam's state, as every step after the first has it
-        tracker = TensorMemoryTracker("cpu")
-        tracker.watch(model)
-        tracker.track([t for state in optimizer.state.values() for t in state.values()], category="optimizer")
-        ledger = _Ledger(tracker)
-        trainer.ledger = ledger
-        with tracker:
-            trainer.step(micro)
-        tracker.unwatch()
-    marks = ledger.marks
+        marks: dict[str, int] = {}
+        tracker = tracked_step(trainer, micro, marks=marks)
     est = Estimate(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
@@ -205,13 +187,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
         trainer.step(micro)
         torch.cuda.synchronize(device)
         return {"peak": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
-    tracker = TensorMemoryTracker(device.type)
-    tracker.watch(model)
-    tracker.track([t for state in optimizer.state.values() for t in state.values()], category="optimizer")
-    with tracker:
-        trainer.step(micro)
-    tracker.unwatch()
-    return {"peak": tracker.peak, **{f"{k}_bytes": v for k, v in tracker.peak_by_category.items()}}
+    return {"peak": tracked_step(trainer, micro, device.type).peak}
 
 
 TINY = dict(d_model=128, n_heads=4, d_ff=512, encoder_layers=2, decoder_layers=2)

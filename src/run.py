@@ -37,7 +37,7 @@ from .fileio import write_json
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
 from .model import ModelArgs, Transformer
-from .state import Progress, find_resume, prune, rng_state, set_rng_state
+from .state import Progress, find_resume, prune, rng_state, set_rng_state, step_checkpoints
 from .tokenizers import save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
@@ -651,7 +651,7 @@ def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
     if trainer.get("resume") is not None:
         return trainer["resume"]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    submitit = os.environ.get("SUBMITIT_EXECUTOR") and any(ckpt_dir.glob("step_*.pt"))
+    submitit = os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
     if restarts or submitit:
         log.info("a requeued job (%s): resuming from its newest checkpoint",
                  f"SLURM_RESTART_COUNT={restarts}" if restarts else "submitit, checkpoints in its run directory")

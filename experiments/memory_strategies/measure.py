@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
-from src.memory import CATEGORIES, MemoryStrategy, TensorMemoryTracker  # noqa: E402
+from src.memory import CATEGORIES, MemoryStrategy, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
 from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
@@ -86,15 +86,10 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
     padded = sum(b.n_padded for b in batches)
 
     trainer.step(batches)  # Adam's moments now exist, as in every later step
-    tracker = TensorMemoryTracker(device.type)
-    tracker.watch(model)
-    tracker.track([v for state in opt.state.values() for v in state.values()], category="optimizer")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with tracker:
-        trainer.step(batches)
-    tracker.unwatch()
+    tracker = tracked_step(trainer, batches, device.type)
     row = {
         "config": label,
         "vocabulary": vocab,

@@ -138,6 +138,7 @@ def main() -> None:
         print(name, r, flush=True)
 
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [f"{results['date']}, commit {results['commit']}, {results['machine']}, torch {results['torch']}, "
              f"{results['threads']} threads; "
