@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -24,18 +25,44 @@ from .memory import MemoryStrategy, region
 from .model import Transformer
 
 
+class _LabelSmoothedLoss(torch.autograd.Function):
+    """Forward as ``label_smoothed_loss`` says; backward in closed form. With ``p = softmax(logits)``, the
+    gradient of a non-pad position's smoothed loss is ``p - (1 - eps) * onehot(target) - eps / V`` (and of its
+    NLL, ``p - onehot(target)``): one pass over the ``tokens x vocabulary`` logits where autograd's chain of
+    gather, mean and log_softmax backward makes four, each with a tensor of that size."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
+        lprobs = F.log_softmax(logits.float(), dim=-1)
+        mask = target != pad_id
+        nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        smooth = -lprobs.mean(dim=-1)
+        loss = (1.0 - epsilon) * nll + epsilon * smooth
+        ctx.save_for_backward(lprobs, target, mask)
+        ctx.epsilon, ctx.dtype = epsilon, logits.dtype
+        # where, not loss[mask]: shapes that do not depend on the data, so the planner can run this on fake tensors
+        return torch.where(mask, loss, 0.0).sum(), torch.where(mask, nll, 0.0).sum()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
+        lprobs, target, mask = ctx.saved_tensors
+        eps = ctx.epsilon
+        keep = mask.unsqueeze(-1).to(lprobs.dtype)
+        # d/dlogits of grad_loss * loss + grad_nll * nll, per kept position:
+        # (grad_loss + grad_nll) * p - grad_loss * eps / V - (grad_loss * (1 - eps) + grad_nll) * onehot
+        grad = lprobs.exp()
+        torch.addcmul(keep * (-grad_loss * eps / lprobs.size(-1)), grad, keep * (grad_loss + grad_nll), out=grad)
+        grad.scatter_add_(-1, target.unsqueeze(-1), keep * -(grad_loss * (1.0 - eps) + grad_nll))
+        return grad.to(ctx.dtype), None, None, None
+
+
 def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
     """Sums over non-pad positions of the label-smoothed loss and of the plain negative log-likelihood.
 
     The smoothed loss is ``(1 - eps) * nll + eps * mean over the vocabulary of -log p`` (PyTorch's
     ``label_smoothing``, Szegedy et al. 2016). Computed in fp32 whatever the autocast dtype."""
-    lprobs = F.log_softmax(logits.float(), dim=-1)
-    mask = target != pad_id
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    smooth = -lprobs.mean(dim=-1)
-    loss = (1.0 - epsilon) * nll + epsilon * smooth
-    # where, not loss[mask]: shapes that do not depend on the data, so the planner can run this on fake tensors
-    return torch.where(mask, loss, 0.0).sum(), torch.where(mask, nll, 0.0).sum()
+    return _LabelSmoothedLoss.apply(logits, target, pad_id, epsilon)
 
 
 def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float):

@@ -49,11 +49,11 @@ def test_worst_case_shape_follows_the_batching_rules():
 
 def test_plan_command_prints_the_split_and_the_verdict(tmp_path):
     common = ["model=base", "tokenizer=xlmr", "plan.src_len=255", "plan.tgt_len=255", f"plan.src_vocab={XLMR_VOCAB}",
-              f"plan.tgt_vocab={XLMR_VOCAB}", "data.batch_size=8", "plan.gpu_gb=12"]
+              f"plan.tgt_vocab={XLMR_VOCAB}", "data.batch_size=16", "plan.gpu_gb=12"]
     proc = run_cli("plan.py", *common)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "1 micro-batch(es) of 8 pairs, 256 source and 256 target positions" in out
+    assert "1 micro-batch(es) of 16 pairs, 256 source and 256 target positions" in out
     assert "does NOT fit a 12 GB card" in out and "logits" in out
     proc = run_cli("plan.py", "-m", "memory=none,[amp,checkpoint,chunked_ce]", *common)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -25,6 +25,28 @@ def test_label_smoothed_loss_matches_pytorch():
     torch.testing.assert_close(nll, F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, reduction="sum"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_label_smoothed_loss_gradient_is_autograds_through_pytorch(dtype):
+    """The closed-form backward gives what autograd gives through F.cross_entropy, for any weighting of the two
+    outputs, with padding, and in the logits' own dtype (bf16 under autocast)."""
+    logits = torch.randn(3, 5, 11, dtype=torch.float64).to(dtype)
+    target = torch.randint(0, 11, (3, 5))
+    target[0, 3:] = PAD
+    target[2, 1] = 4  # a target repeated within the batch
+    target[2, 2] = 4
+    ours = logits.clone().requires_grad_()
+    loss, nll = label_smoothed_loss(ours, target, PAD, 0.1)
+    (0.7 * loss + 0.2 * nll).backward()
+    ref = logits.double().requires_grad_()
+    flat, t = ref.flatten(0, 1), target.flatten()
+    smoothed = F.cross_entropy(flat, t, ignore_index=PAD, label_smoothing=0.1, reduction="sum")
+    (0.7 * smoothed + 0.2 * F.cross_entropy(flat, t, ignore_index=PAD, reduction="sum")).backward()
+    assert ours.grad.dtype == dtype
+    assert ours.grad[0, 3:].abs().max() == 0  # padding gets no gradient
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours.grad.double(), ref.grad, atol=tol, rtol=tol)
+
+
 def test_schedule_is_the_papers():
     f = inverse_sqrt_schedule(4000)
     d = 512
