@@ -35,7 +35,14 @@ from .errors import ConfigError, DataError, NumericalError, UserError
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
-from .memory import MemoryStrategy, PeakMemory, memory_strategy, peak_rss_mb, reset_peak_rss
+from .memory import (
+    MemoryStrategy,
+    PeakMemory,
+    keep_freed_host_memory,
+    memory_strategy,
+    peak_rss_mb,
+    reset_peak_rss,
+)
 from .model import ModelArgs, Transformer
 from .state import Progress, find_resume, prune, rng_state, set_rng_state, step_checkpoints
 from .tokenizers import save_codecs
@@ -277,10 +284,12 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     strategy.check_device(device)
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
+    reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
     fault = Fault(**_fault_settings(conf))
     seed_everything(conf["seed"])
     corpus, encoded, train_split, info = prepare_data(conf, strategy)
     info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
+    info["reuse_host_memory"] = reuse_host_memory
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
     if world.main:
         save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
