@@ -20,7 +20,7 @@ from src.data.corpus import (
     read_lines,
     read_parallel,
 )
-from src.data.encode import encode_corpus
+from src.data.encode import PackedSequences, encode_corpus
 from src.data.synthetic import LengthDistribution
 from src.errors import DataError
 
@@ -205,6 +205,18 @@ def test_multi30k_reader_on_the_real_files(tmp_path):
     assert c.splits["train"].tgt[0] == "Two young, White males are outside near many bushes."
     fr = load_multi30k("en", "fr", root, tmp_path)
     assert len(fr.splits["valid"]) == 1014
+
+
+def test_packed_sequences_are_the_sentences_as_views():
+    lengths = torch.tensor([3, 0, 5, 1])
+    ids = torch.arange(9)
+    packed = PackedSequences(ids, lengths)
+    expected = list(torch.split(ids, lengths.tolist()))
+    assert len(packed) == 4 and [t.tolist() for t in packed] == [t.tolist() for t in expected]
+    assert packed[-1].tolist() == [8] and [t.tolist() for t in packed[1:3]] == [[], [3, 4, 5, 6, 7]]
+    assert packed[2].data_ptr() == ids[3:].data_ptr()  # a view: no copy per sentence
+    with pytest.raises(IndexError):
+        packed[4]
 
 
 def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):

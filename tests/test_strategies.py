@@ -112,7 +112,7 @@ def test_trimmed_vocabulary_round_trips_training_sentences(xlmr_dir, tmp_path):
         for text, before, after in zip(texts, getattr(full.splits["train"], side), getattr(trimmed.splits["train"], side)):
             assert codec.decode(after.tolist()) == full.src_codec.decode(before.tolist())
             assert codec.encode([text])[0] == after.tolist()
-    assert codec.unk_id not in torch.cat(trimmed.splits["train"].src).tolist()
+    assert codec.unk_id not in torch.cat(list(trimmed.splits["train"].src)).tolist()
 
 
 def test_trimming_separate_vocabularies(tmp_path):
