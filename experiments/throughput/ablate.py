@@ -13,23 +13,32 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
 from run import ROOT, commit, reference  # noqa: E402
+from src import trainer as trainer_module  # noqa: E402
 from src.data.batching import batch_indices, epoch_batches, micro_batches, pair_sizes  # noqa: E402
-from src.memory import TensorMemoryTracker  # noqa: E402
+from src.memory import TensorMemoryTracker, keep_freed_host_memory  # noqa: E402
 from src.run import build_model, build_optimizer  # noqa: E402
 from src.trainer import Trainer  # noqa: E402
 
-# name: (what is undone, settings). The first is the trainer as train.py runs experiment=throughput_ref.
+# name: (what is undone, settings). The first runs before keep_freed_host_memory (process-wide, for good);
+# "as train.py runs it" is the trainer as train.py runs experiment=throughput_ref.
 VARIANTS = {
+    "glibc's default malloc": ("trainer.reuse_host_memory: freed memory kept for reuse, not unmapped",
+                               {"malloc": "default"}),
     "as train.py runs it": ("", {}),
+    "loss backward through autograd": ("the closed-form backward of the label-smoothed loss (src/trainer.py)",
+                                       {"loss": "autograd"}),
     "sentence batches of 128, no length bucketing": (
         "token batches of 2,000 sorted by length (the plain loop's batching instead)", {"batching": "random128"}),
     "Adam foreach": ("fused Adam (one kernel for all parameters)", {"adam": "foreach"}),
@@ -38,6 +47,15 @@ VARIANTS = {
     "1 thread": ("PyTorch's default threads (one per core)", {"threads": 1}),
     "tensor-memory tracking on": ("trainer.track_memory=false in the preset", {"track": True}),
 }
+
+
+def autograd_loss(logits, target, pad_id: int, epsilon: float):
+    """label_smoothed_loss as it was before its closed-form backward: autograd through log_softmax, gather, mean."""
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    mask = target != pad_id
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    loss = (1.0 - epsilon) * nll - epsilon * lprobs.mean(dim=-1)
+    return torch.where(mask, loss, 0.0).sum(), torch.where(mask, nll, 0.0).sum()
 
 
 def batches_for(settings: dict, conf: dict, strategy, split, codec, n: int) -> list:
@@ -102,14 +120,19 @@ def main() -> None:
     results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "warmup": args.warmup, "steps": args.steps, "variants": {}}
     for name, (undone, settings) in VARIANTS.items():
+        if settings.get("malloc") != "default":
+            keep_freed_host_memory()  # as train.py does on the CPU (trainer.reuse_host_memory)
         if args.only and name not in args.only:
             continue
-        r = time_variant(settings, conf, strategy, encoded, split, args.warmup, args.steps)
+        autograd = settings.get("loss") == "autograd"
+        with mock.patch.object(trainer_module, "label_smoothed_loss", autograd_loss) if autograd else nullcontext():
+            r = time_variant(settings, conf, strategy, encoded, split, args.warmup, args.steps)
         results["variants"][name] = {"undoes": undone, **r}
         print(name, r, flush=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps(results, indent=2) + "\n")
-    base = next(iter(results["variants"].values()))["tokens_per_s"]
+    base = results["variants"].get("as train.py runs it", next(iter(results["variants"].values())))["tokens_per_s"]
     lines = [f"{results['date']}, commit {results['commit']}, torch {results['torch']}, "
              f"{results['threads']} threads (default); "
              f"{args.steps} steps timed after {args.warmup}, the same batches for every variant.", "",
