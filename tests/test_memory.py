@@ -85,7 +85,7 @@ print(default, applied, kept, before - peak_rss_mb())
 """
 
 
-def test_kept_host_memory_is_reused_without_page_faults(tmp_path):
+def test_kept_host_memory_is_reused_without_page_faults():
     """glibc's default unmaps a freed 64 MiB tensor, so the next one faults in 16,384 fresh 4 KiB pages; with
     keep_freed_host_memory it reuses the heap. In a child process: the setting is process-wide."""
     import platform
