@@ -5,7 +5,11 @@ W&B, done the way its users expect: one run per job, grouped by sweep (the multi
 resolved config as plain data. ``define_metric`` makes the run summaries the best validation BLEU (max), the peak
 memory (max) and the throughput (mean); every row is logged at its optimizer step; sample translations are logged
 as a table at each validation. The run is always finished, with a non-zero exit code and the reason in its summary
-when it failed (out-of-memory included), so a sweep's dashboard shows which runs broke and why.
+when it failed (out-of-memory included), so a sweep's dashboard shows which runs broke and why. A run that resumes
+in its own directory (``trainer.resume=auto``, a requeued SLURM job) continues the same W&B run: its id is kept in
+``wandb_run_id`` there and passed back with ``resume="allow"``; W&B keeps the rows of the steps it already has, which
+the resumed run trains again to the same losses (offline, where W&B ignores ``resume``, both attempts' run files
+carry the one id).
 
 W&B is imported only when used. Its mode (online | offline | disabled) comes from ``logger.wandb.mode`` or the
 ``WANDB_MODE`` environment variable, which wins; the API key is left to ``wandb login`` and never passed or written.
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 # Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone.
 METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max", "tokens_per_s": "mean"}
 SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
+WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
 
 
 def _clean(value):
@@ -62,23 +67,31 @@ def run_name(label: str, overrides: list[str]) -> str:
 
 class RunLogger:
     def __init__(self, run_dir: Path, wandb_settings: dict | None = None, config: dict | None = None,
-                 name: str | None = None, group: str | None = None):
+                 name: str | None = None, group: str | None = None, resuming: bool = False):
+        """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.wandb = None
         self.num_samples = 0
         if wandb_settings:  # first: a W&B setting that fails leaves no open file behind
             self.num_samples = int(wandb_settings.get("samples") or 0)
-            self.wandb = self._start_wandb(wandb_settings, config or {}, name, group, Path(run_dir))
+            self.wandb = self._start_wandb(wandb_settings, config or {}, name, group, Path(run_dir), resuming)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
 
     @staticmethod
-    def _start_wandb(settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path):
+    def _start_wandb(settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path,
+                     resuming: bool):
         import wandb  # imported here: runs without logger=wandb do not need it
 
         mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
+        id_file = run_dir / WANDB_ID_FILE
+        run_id = None
+        if resuming and id_file.is_file():
+            run_id = id_file.read_text(encoding="utf-8").strip() or None
         try:
             run = wandb.init(
+                id=run_id,
+                resume="allow" if run_id and mode == "online" else None,  # offline, W&B warns that it ignores it
                 project=settings.get("project"),
                 entity=settings.get("entity"),
                 group=group,
@@ -94,6 +107,9 @@ class RunLogger:
             source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
             raise ConfigError(f"{source}={mode}: {str(e).splitlines()[0]} (or use logger.wandb.mode=offline: "
                               "no account needed)") from None
+        if mode != "disabled":
+            with atomic_path(id_file) as tmp:
+                tmp.write_text(run.id + "\n", encoding="utf-8")
         for key, summary in METRIC_SUMMARIES.items():
             run.define_metric(key, summary=summary)
         return run

@@ -217,13 +217,16 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
         with process_group(world, device):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
+            resume = resume_setting(conf["trainer"], run_dir / "checkpoints")
             if world.main:
                 OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
                 group = conf.get("sweep_name") or job.get("sweep_dir")
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
-                logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group)
-            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device))
+                in_place = not conf.get("ckpt_path") and resume == "auto" and step_checkpoints(run_dir / "checkpoints")
+                logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
+                                   resuming=bool(in_place))
+            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device, resume))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -279,7 +282,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
 
 
 def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger, world: World,
-         device: torch.device) -> dict:
+         device: torch.device, resume: str | None) -> dict:
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     strategy.check_device(device)
     if tr.get("threads"):
@@ -386,7 +389,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device, world)
-    resumed = find_resume(conf.get("ckpt_path"), resume_setting(tr, ckpt_dir), ckpt_dir)
+    resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
@@ -398,6 +401,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         logger.rewind(p.step)  # rows logged after the checkpoint are trained again
         info["resumed_from"] = {"path": str(path), "step": p.step}
+        if not best_path.is_file():  # ckpt_path from another run: the best is chosen among this run's validations
+            log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
+            fresh = Progress()
+            p.best_bleu, p.best_step, p.valid_scores, p.last_eval_step = (
+                fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
 
     bar = tqdm(total=max_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,

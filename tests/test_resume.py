@@ -14,7 +14,7 @@ from src.errors import ConfigError, NumericalError
 from src.run import train
 
 from .conftest import FAST, compose_config
-from .helpers import read_jsonl, run_cli
+from .helpers import read_jsonl, read_wandb_run, run_cli
 
 # 24 steps of 16 pairs over 300 pairs (19 batches an epoch): the run crosses into a second epoch
 STEPS = ["trainer.max_steps=24", "trainer.log_every=1", "trainer.eval_every=24", "trainer.save_every=5"]
@@ -93,8 +93,36 @@ def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast
                            run_dir=tmp_path / "other", cache_dir=tmp_path / "cache")
     summary = train(other)
     assert summary["resumed_from"]["step"] == 5 and summary["steps"] == 7
+    # The first run's best.pt is not in this run's directory: the best is chosen among this run's validations,
+    # even when nothing is left to train (the checkpoint's step was validated in the first run only).
+    assert summary["best_step"] == 7 and (tmp_path / "other" / "checkpoints" / "best.pt").is_file()
+    again = compose_config(*FAST, "trainer.max_steps=6", "trainer.eval_every=6", f"ckpt_path={ckpts / 'step_00000006.pt'}",
+                           run_dir=tmp_path / "again", cache_dir=tmp_path / "cache")
+    summary = train(again)
+    assert summary["steps"] == summary["best_step"] == 6 and summary["test_bleu"] >= 0
     with pytest.raises(ConfigError, match=r"^ckpt_path=/nonexistent.pt: no such file$"):
         train(fast_cfg("ckpt_path=/nonexistent.pt"))
+
+
+def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_path):
+    """trainer.resume=auto in the run's own directory (a requeued job) logs to the same W&B run: offline, both
+    attempts' run files carry one id, the second from the step after the checkpoint. A run that starts from
+    another run's checkpoint (ckpt_path) is a W&B run of its own."""
+    steps = ["logger=wandb", "trainer.log_every=1", "trainer.save_every=2"]
+    train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4"))
+    train(fast_cfg(*steps, "trainer.max_steps=6", "trainer.eval_every=6", "trainer.resume=auto"))
+    run = tmp_path / "run"
+    attempts = [read_wandb_run(f) for f in run.glob("wandb/offline-run-*/run-*.wandb")]
+    first_steps = {tuple(row["_step"] for row in a["history"] if "loss" in row) for a in attempts}
+    assert first_steps == {(1, 2, 3, 4), (5, 6)}
+    run_id = (run / "wandb_run_id").read_text().strip()
+    assert [a["run"].run_id for a in attempts] == [run_id, run_id]
+
+    other = compose_config(*FAST, *steps, "trainer.max_steps=6", "trainer.eval_every=6",
+                           f"ckpt_path={run / 'checkpoints' / 'step_00000004.pt'}", run_dir=tmp_path / "other",
+                           cache_dir=tmp_path / "cache")
+    assert train(other)["resumed_from"]["step"] == 4
+    assert (tmp_path / "other" / "wandb_run_id").read_text().strip() != run_id
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
