@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn.parallel import DistributedDataParallel
@@ -29,32 +28,58 @@ class _LabelSmoothedLoss(torch.autograd.Function):
     """Forward as ``label_smoothed_loss`` says; backward in closed form. With ``p = softmax(logits)``, the
     gradient of a non-pad position's smoothed loss is ``p - (1 - eps) * onehot(target) - eps / V`` (and of its
     NLL, ``p - onehot(target)``): one pass over the ``tokens x vocabulary`` logits where autograd's chain of
-    gather, mean and log_softmax backward makes four, each with a tensor of that size."""
+    gather, mean and log_softmax backward makes four, each with a tensor of that size.
+
+    What is kept for backward is the logits in their own dtype, and the fp32 arithmetic runs ``CHUNK`` logits
+    at a time, so low-precision logits (autocast) never get a whole fp32 copy: under bf16 the loss holds 2 bytes
+    per logit from forward to backward and 4 in backward (logits and their gradient), where saving fp32
+    log-probabilities held 4 and 10. In fp32 it holds 4 and 8, as before."""
+
+    CHUNK = 1 << 24  # logits per fp32 piece: 64 MiB
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
-        lprobs = F.log_softmax(logits.float(), dim=-1)
-        mask = target != pad_id
-        nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        smooth = -lprobs.mean(dim=-1)
+        vocab = logits.size(-1)
+        flat, t = logits.reshape(-1, vocab), target.reshape(-1)
+        lse = flat.new_empty(flat.size(0), dtype=torch.float32)
+        mean = torch.empty_like(lse)
+        rows = max(1, _LabelSmoothedLoss.CHUNK // vocab)
+        for start in range(0, flat.size(0), rows):
+            part = flat[start : start + rows].float()
+            torch.logsumexp(part, dim=-1, out=lse[start : start + rows])
+            torch.mean(part, dim=-1, out=mean[start : start + rows])
+        nll = lse - flat.gather(-1, t.unsqueeze(-1)).squeeze(-1).float()  # -log p(target)
+        smooth = lse - mean  # mean over the vocabulary of -log p
         loss = (1.0 - epsilon) * nll + epsilon * smooth
-        ctx.save_for_backward(lprobs, target, mask)
-        ctx.epsilon, ctx.dtype = epsilon, logits.dtype
+        mask = t != pad_id
+        ctx.save_for_backward(flat, t)
+        ctx.epsilon, ctx.pad_id, ctx.shape = epsilon, pad_id, logits.shape
         # where, not loss[mask]: shapes that do not depend on the data, so the planner can run this on fake tensors
         return torch.where(mask, loss, 0.0).sum(), torch.where(mask, nll, 0.0).sum()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
-        lprobs, target, mask = ctx.saved_tensors
-        eps = ctx.epsilon
-        keep = mask.unsqueeze(-1).to(lprobs.dtype)
+        flat, t = ctx.saved_tensors
+        eps, vocab = ctx.epsilon, flat.size(-1)
+        keep = (t != ctx.pad_id).float().unsqueeze(-1)
         # d/dlogits of grad_loss * loss + grad_nll * nll, per kept position:
         # (grad_loss + grad_nll) * p - grad_loss * eps / V - (grad_loss * (1 - eps) + grad_nll) * onehot
-        grad = lprobs.exp()
-        torch.addcmul(keep * (-grad_loss * eps / lprobs.size(-1)), grad, keep * (grad_loss + grad_nll), out=grad)
-        grad.scatter_add_(-1, target.unsqueeze(-1), keep * -(grad_loss * (1.0 - eps) + grad_nll))
-        return grad.to(ctx.dtype), None, None, None
+        scale, shift = keep * (grad_loss + grad_nll), keep * (-grad_loss * eps / vocab)
+        at_target = keep * -(grad_loss * (1.0 - eps) + grad_nll)
+        rows = max(1, _LabelSmoothedLoss.CHUNK // vocab)
+        whole = rows >= flat.size(0) and flat.dtype == torch.float32  # one piece: it is the gradient
+        grad = None if whole else torch.empty_like(flat)
+        for start in range(0, flat.size(0), rows):
+            end = start + rows
+            g = torch.softmax(flat[start:end], dim=-1, dtype=torch.float32)
+            torch.addcmul(shift[start:end], g, scale[start:end], out=g)
+            g.scatter_add_(-1, t[start:end].unsqueeze(-1), at_target[start:end])
+            if grad is None:
+                grad = g
+            else:
+                grad[start:end] = g
+        return grad.view(ctx.shape), None, None, None
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:

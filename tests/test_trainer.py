@@ -10,12 +10,17 @@ import torch.nn.functional as F
 from src.data.batching import batch_indices, collate, limit_lengths, pair_sizes, split_batch, token_batch_indices
 from src.data.encode import EncodedSplit
 from src.memory import MemoryStrategy
-from src.trainer import inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
+from src.trainer import _LabelSmoothedLoss, inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
 
 from .helpers import BOS, EOS, PAD, make_split, micro_batches, model_and_trainer, rel_update_diff, updates
 
+# The loss works through the logits CHUNK at a time: 22 = 2 positions of 11 per piece (8 pieces, the last partial).
+CHUNKS = pytest.mark.parametrize("chunk", [_LabelSmoothedLoss.CHUNK, 22], ids=["one-piece", "8-pieces"])
 
-def test_label_smoothed_loss_matches_pytorch():
+
+@CHUNKS
+def test_label_smoothed_loss_matches_pytorch(chunk, monkeypatch):
+    monkeypatch.setattr(_LabelSmoothedLoss, "CHUNK", chunk)
     logits = torch.randn(3, 5, 11)
     target = torch.randint(0, 11, (3, 5))
     target[0, 3:] = PAD
@@ -25,10 +30,12 @@ def test_label_smoothed_loss_matches_pytorch():
     torch.testing.assert_close(nll, F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=PAD, reduction="sum"))
 
 
+@CHUNKS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_label_smoothed_loss_gradient_is_autograds_through_pytorch(dtype):
+def test_label_smoothed_loss_gradient_is_autograds_through_pytorch(dtype, chunk, monkeypatch):
     """The closed-form backward gives what autograd gives through F.cross_entropy, for any weighting of the two
     outputs, with padding, and in the logits' own dtype (bf16 under autocast)."""
+    monkeypatch.setattr(_LabelSmoothedLoss, "CHUNK", chunk)
     logits = torch.randn(3, 5, 11, dtype=torch.float64).to(dtype)
     target = torch.randint(0, 11, (3, 5))
     target[0, 3:] = PAD
