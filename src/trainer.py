@@ -67,18 +67,19 @@ class _LabelSmoothedLoss(torch.autograd.Function):
         # (grad_loss + grad_nll) * p - grad_loss * eps / V - (grad_loss * (1 - eps) + grad_nll) * onehot
         scale, shift = keep * (grad_loss + grad_nll), keep * (-grad_loss * eps / vocab)
         at_target = keep * -(grad_loss * (1.0 - eps) + grad_nll)
+        grad = torch.empty_like(flat)
         rows = max(1, _LabelSmoothedLoss.CHUNK // vocab)
-        whole = rows >= flat.size(0) and flat.dtype == torch.float32  # one piece: it is the gradient
-        grad = None if whole else torch.empty_like(flat)
         for start in range(0, flat.size(0), rows):
             end = start + rows
-            g = torch.softmax(flat[start:end], dim=-1, dtype=torch.float32)
+            into = grad[start:end]
+            if into.dtype == torch.float32:  # computed in place in the gradient
+                g = torch.softmax(flat[start:end], dim=-1, out=into)
+            else:  # a fp32 piece, rounded into the gradient at the end
+                g = torch.softmax(flat[start:end], dim=-1, dtype=torch.float32)
             torch.addcmul(shift[start:end], g, scale[start:end], out=g)
             g.scatter_add_(-1, t[start:end].unsqueeze(-1), at_target[start:end])
-            if grad is None:
-                grad = g
-            else:
-                grad[start:end] = g
+            if g.dtype != into.dtype:
+                into.copy_(g)
         return grad.view(ctx.shape), None, None, None
 
 

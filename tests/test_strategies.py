@@ -83,8 +83,8 @@ def test_chunked_loss_saves_the_logits_memory():
     full = peak_bytes(MemoryStrategy(), vocab=20_000, layers=1)
     chunked = peak_bytes(MemoryStrategy(loss_chunk=64), vocab=20_000, layers=1)
     logits = 16 * 48 * 20_000 * 4
-    # without chunks two tensors of the logits' size coexist at the peak (logits and log-probabilities in
-    # forward, log-probabilities and their gradient in backward); with them, none
+    # without chunks two tensors of the logits' size coexist at the peak (the logits, kept for backward, and
+    # their gradient); with them, none
     assert full - chunked > 1.5 * logits
 
 
