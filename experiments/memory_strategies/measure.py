@@ -57,7 +57,7 @@ def strategy(*names: str) -> MemoryStrategy:
 
 SPACY_CONFIGS = ["none", "amp", "accum", "truncate", "tokens", "checkpoint", "chunked_ce", "amp+accum",
                  "amp+checkpoint", "accum+checkpoint", "amp+checkpoint+chunked_ce"]
-XLMR_CONFIGS = ["none", "chunked_ce", "amp+chunked_ce", "amp+checkpoint+chunked_ce"]
+XLMR_CONFIGS = ["none", "amp", "chunked_ce", "amp+chunked_ce", "amp+checkpoint+chunked_ce"]
 
 
 def base_args() -> dict:
