@@ -127,8 +127,11 @@ def trim_vocabulary(encoded: EncodedCorpus) -> EncodedCorpus:
     embeddings and the output layer shrink; ids of held-out text outside them become ``<unk>``. A shared
     vocabulary stays shared (one set of ids from both sides)."""
 
+    def all_ids(seqs: Sequence[Tensor]) -> Tensor:
+        return seqs.ids if isinstance(seqs, PackedSequences) else torch.cat(list(seqs))
+
     def trimmed(codec: Codec, sides: list[Sequence[Tensor]]) -> TrimmedCodec:
-        used = torch.cat([torch.cat(list(seqs)) for seqs in sides if len(seqs)]).unique().tolist()
+        used = torch.cat([all_ids(seqs) for seqs in sides if len(seqs)]).unique().tolist()
         return TrimmedCodec(codec, [*used, codec.bos_id, codec.pad_id, codec.eos_id, codec.unk_id])
 
     train = encoded.splits["train"]
