@@ -217,13 +217,14 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
         with process_group(world, device):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
-            resume = resume_setting(conf["trainer"], run_dir / "checkpoints")
+            ckpt_dir = run_dir / "checkpoints"
+            resume = resume_setting(conf["trainer"], ckpt_dir)
             if world.main:
                 OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
                 group = conf.get("sweep_name") or job.get("sweep_dir")
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
-                in_place = not conf.get("ckpt_path") and resume == "auto" and step_checkpoints(run_dir / "checkpoints")
+                in_place = not conf.get("ckpt_path") and resume == "auto" and step_checkpoints(ckpt_dir)
                 logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
                                    resuming=bool(in_place))
             summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device, resume))
