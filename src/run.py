@@ -421,9 +421,14 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
 
+    saved_step = -1  # the step of the newest step checkpoint written by this process
+
     def save(path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
         """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
         every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
+        nonlocal saved_step
+        if path is None:
+            saved_step = p.step
         p.totals = window.totals()
         model_state, optim_state = states or full_state(model, optimizer, strategy.fsdp)
         rng = rng_state()
@@ -436,8 +441,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         if path is None:
             prune(ckpt_dir, tr.get("keep_last", 3))
 
-    def run_eval() -> None:
-        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores."""
+    def run_eval() -> tuple[dict, dict] | None:
+        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores. memory=fsdp:
+        returns the states it gathered, for a checkpoint written at the same step."""
         log_window()  # the training steps so far count; evaluation is neither timed nor measured
         p.last_eval_step = p.step
         states = full_state(model, optimizer, True) if strategy.fsdp else None  # every rank takes part
@@ -447,6 +453,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
             p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
             save(best_path, states)
         peak.skip_window()
+        return states
 
     def validate(m: Transformer) -> dict:
         t0 = time.perf_counter()
@@ -525,16 +532,18 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                 check_finite(stats)
                 if p.step % tr["log_every"] == 0:
                     log_window()
+                states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
                 if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
-                    run_eval()
+                    states = run_eval()
                 if save_every and p.step % save_every == 0:
                     log_window()
-                    save()
+                    save(states=states)
                 if world.distributed and world.all_sum([stop.signum is not None], device)[0]:
                     stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
                 if stop.signum is not None:
                     log_window()
-                    save()
+                    if saved_step != p.step:
+                        save(states=states)
                     raise Interrupted(stop.signum, p.step)
                 if done():
                     break
@@ -543,8 +552,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     bar.close()
     log_window()
     if p.last_eval_step != p.step:
-        run_eval()
-    save()
+        save(states=run_eval())
+    elif saved_step != p.step:  # not when the loop's last step wrote it
+        save()
 
     if not world.main:
         world.barrier()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import src.run
 from src.checkpoint import load_checkpoint
 from src.errors import ConfigError, NumericalError
 from src.run import train
@@ -82,6 +83,20 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     assert any("step_00000006.pt is unreadable" in r.message and "trying the previous" in r.message
                for r in caplog.records)
     assert summary["steps"] == 8
+
+
+def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):
+    """A run whose last step is a save step ends without writing that checkpoint again."""
+    written = []
+
+    def save_checkpoint(path, **state):
+        written.append(path.name)
+        real(path, **state)
+
+    real = src.run.save_checkpoint
+    monkeypatch.setattr(src.run, "save_checkpoint", save_checkpoint)
+    train(fast_cfg("trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=4"))
+    assert written == ["step_00000002.pt", "best.pt", "step_00000004.pt"]
 
 
 def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path):
