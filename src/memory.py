@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import ConfigError
 
@@ -198,7 +197,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.category = "activations"
         self.live_by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_by_category = dict(self.live_by_category)
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes, category]
+        self._seen: dict[int, list] = {}  # live storage (its address, ``_cdata``) -> [bytes, category]
         self._hooks: list = []
 
     def __enter__(self):
@@ -216,26 +215,32 @@ class TensorMemoryTracker(TorchDispatchMode):
     def resized(self, storage, nbytes: int) -> None:
         """A tracked storage changed size in place: FSDP frees a gathered parameter with ``resize_(0)`` and
         gathers it again into the same storage (no operator a dispatch mode sees)."""
-        entry = self._seen.get(storage)
+        entry = self._seen.get(storage._cdata)
         if entry is not None:
             self._grow(nbytes - entry[0], entry[1])
             entry[0] = nbytes
 
-    def _free(self, entry: list) -> None:
-        self.live -= entry[0]
-        self.live_by_category[entry[1]] -= entry[0]
+    def _free(self, key: int) -> None:
+        nbytes, category = self._seen.pop(key)
+        self.live -= nbytes
+        self.live_by_category[category] -= nbytes
 
     def track(self, *tensors, category: str | None = None) -> None:
         for t in tree_leaves(tensors):
-            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
-                continue
-            storage = _local(t).untyped_storage()
-            if storage in self._seen:
-                continue
-            entry = [storage.nbytes(), category or self.category]
-            self._seen[storage] = entry
-            weakref.finalize(storage, self._free, entry)
-            self._grow(entry[0], entry[1])
+            if isinstance(t, torch.Tensor):
+                self._track(t, category or self.category)
+
+    def _track(self, t: torch.Tensor, category: str) -> None:
+        if t.device.type != self.device_type:
+            return
+        storage = _local(t).untyped_storage()
+        key = storage._cdata
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[key] = [nbytes, category]
+        weakref.finalize(storage, self._free, key)  # the storage's Python object lives as long as the storage
+        self._grow(nbytes, category)
 
     def _grow(self, nbytes: int, category: str) -> None:
         self.live += nbytes
@@ -246,7 +251,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
-        entry = self._seen.get(_local(tensor).untyped_storage())
+        entry = self._seen.get(_local(tensor).untyped_storage()._cdata)
         if entry is not None and entry[1] != category:
             self.live_by_category[entry[1]] -= entry[0]
             self.live_by_category[category] = self.live_by_category.get(category, 0) + entry[0]
@@ -266,7 +271,10 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.track(out)
+        if isinstance(out, torch.Tensor):  # most operators: no tree to walk
+            self._track(out, self.category)
+        else:
+            self.track(out)
         return out
 
     def reset_peak(self) -> None:
