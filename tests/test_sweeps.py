@@ -117,7 +117,7 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
 
 @pytest.mark.slow
 def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
-    sweep, _ = failing_sweep
+    sweep, sweep_proc = failing_sweep
     proc = run_cli("experiments/report.py", str(sweep), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = markdown_rows((tmp_path / "report.md").read_text())
@@ -129,6 +129,9 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     assert "fault.kind=oom" in rows[1]  # runs are named by what differs between the jobs
     png = image.imread(tmp_path / "report.png")
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.shape[0] > 300 and png.shape[1] > 600
+    # The sweep itself wrote the same report into its directory when its last job ended, and printed the table.
+    assert (sweep / "report.md").read_text() == (tmp_path / "report.md").read_text()
+    assert (sweep / "report.png").is_file() and all(row in sweep_proc.stdout for row in rows)
 
 
 def test_report_shows_a_job_killed_before_its_summary(tmp_path):
