@@ -257,3 +257,29 @@ def test_wandb_modes(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
         RunLogger(tmp_path / "online", {"mode": "online"}, {"a": 1}, name="none")
+
+
+def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):
+    """Online, a run resumed in its own directory passes the id it stored with resume="allow" (how W&B continues
+    a run); a new run passes neither. wandb.init is replaced: this machine cannot reach W&B."""
+    import types
+
+    import wandb
+
+    from src.loggers import WANDB_ID_FILE, RunLogger
+
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        run = types.SimpleNamespace(id=kwargs["id"] or f"run{len(calls)}", summary={}, log=lambda *a, **k: None,
+                                    define_metric=lambda *a, **k: None, finish=lambda **k: None)
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    for resuming in (False, True):
+        RunLogger(tmp_path, {"mode": "online"}, {}, name="none", resuming=resuming).finish({"status": "completed"})
+    assert [(c["id"], c["resume"]) for c in calls] == [(None, None), ("run1", "allow")]
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == "run1"
+
