@@ -183,6 +183,11 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2)), info
 
 
+def checkpoint_dir(run_dir: Path) -> Path:
+    """Where a run keeps its step checkpoints and best.pt."""
+    return run_dir / "checkpoints"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -217,7 +222,7 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
         with process_group(world, device):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
-            ckpt_dir = run_dir / "checkpoints"
+            ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
             if world.main:
                 OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
@@ -380,7 +385,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     if not max_steps and not max_epochs:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir = checkpoint_dir(run_dir)
     best_path = ckpt_dir / "best.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
     save_every = tr.get("save_every") or tr.get("eval_every")
