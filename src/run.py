@@ -44,7 +44,7 @@ from .memory import (
     reset_peak_rss,
 )
 from .model import ModelArgs, Transformer
-from .state import Progress, find_resume, prune, rng_state, set_rng_state, step_checkpoints
+from .state import Progress, clear_for_fresh_start, find_resume, prune, rng_state, set_rng_state, step_checkpoints
 from .tokenizers import save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
@@ -224,15 +224,17 @@ def train(cfg: DictConfig) -> dict:
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
+            resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
+            if resumed is None:
+                clear_for_fresh_start(ckpt_dir, resume, world.main)
             if world.main:
                 OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
                 group = conf.get("sweep_name") or job.get("sweep_dir")
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
-                in_place = not conf.get("ckpt_path") and resume == "auto" and step_checkpoints(ckpt_dir)
                 logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
-                                   resuming=bool(in_place))
-            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device, resume))
+                                   resuming=resumed is not None and not conf.get("ckpt_path"))
+            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device, resumed))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -288,7 +290,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
 
 
 def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger, world: World,
-         device: torch.device, resume: str | None) -> dict:
+         device: torch.device, resumed: tuple[Path, dict] | None) -> dict:
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     strategy.check_device(device)
     if tr.get("threads"):
@@ -395,7 +397,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device, world)
-    resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
     if resumed is not None:
         path, ckpt = resumed
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
@@ -405,7 +406,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         window.load_totals(p.totals)
         ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
-        logger.rewind(p.step)  # rows logged after the checkpoint are trained again
+        ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
         info["resumed_from"] = {"path": str(path), "step": p.step}
         if not best_path.is_file():  # ckpt_path from another run: the best is chosen among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
@@ -414,6 +415,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
 
+    logger.rewind(p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
     bar = tqdm(total=max_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,
                dynamic_ncols=True)
 

@@ -92,7 +92,7 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
     if resume in (None, "never"):
         return None
     if resume != "auto":
-        raise ConfigError(f"trainer.resume={resume}: expected auto or null")
+        raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
     for _, path in step_checkpoints(ckpt_dir):
         try:
             state = load_checkpoint(path)
@@ -104,6 +104,25 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
             continue
         return path, state
     return None
+
+
+def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> None:
+    """A run that starts afresh must not share its checkpoint directory with an earlier run's step checkpoints:
+    pruning keeps the highest step numbers, and a later ``resume=auto`` would continue the earlier run. With
+    ``resume=never`` (start over) they are removed, as are those left with ``resume=auto`` (the unreadable ones
+    ``find_resume`` passed over); without a ``resume`` setting the run stops, naming them."""
+    stale = step_checkpoints(ckpt_dir)
+    if not stale:
+        return
+    if resume not in ("auto", "never"):
+        raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {stale[0][1].name}): add "
+                          "trainer.resume=auto to continue that run, trainer.resume=never to start over (they are "
+                          "removed), or set hydra.run.dir to a new directory")
+    if main:
+        for _, path in stale:
+            path.unlink(missing_ok=True)
+        log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s; training starts from step 0", resume,
+                    len(stale), "unreadable " if resume == "auto" else "", ckpt_dir)
 
 
 def _reason(e: Exception) -> str:

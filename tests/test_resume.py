@@ -140,6 +140,37 @@ def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_pa
     assert (tmp_path / "other" / "wandb_run_id").read_text().strip() != run_id
 
 
+def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, tmp_path, caplog):
+    """Without trainer.resume, a directory holding step checkpoints stops the run before anything is written. With
+    resume=auto and none of them readable, or with resume=never, the run starts from step 0: the earlier run's
+    checkpoints are removed, the metrics hold this run's rows alone, and W&B gets a new run (continuing the old one
+    would log step 1 over step 6)."""
+    steps = ["logger=wandb", "trainer.log_every=1", "trainer.save_every=2", "trainer.eval_every=6"]
+    train(fast_cfg(*steps, "trainer.max_steps=6"))
+    run = tmp_path / "run"
+    first_id = (run / "wandb_run_id").read_text()
+    with pytest.raises(ConfigError, match=r"checkpoints holds an earlier run's checkpoints \(newest step_00000006.pt\):"
+                                          r" add trainer.resume=auto to continue that run"):
+        train(fast_cfg(*steps, "trainer.max_steps=4"))
+    assert (run / "wandb_run_id").read_text() == first_id and len(losses(run)) == 6
+
+    for path in (run / "checkpoints").glob("step_*.pt"):
+        path.write_bytes(path.read_bytes()[:1000])
+    with caplog.at_level(logging.WARNING):
+        summary = train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"))
+    assert "resumed_from" not in summary and summary["steps"] == 4
+    assert any("removed the 3 unreadable checkpoints" in r.message for r in caplog.records)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt"]
+    assert sorted(losses(run)) == [1, 2, 3, 4]
+    second_id = (run / "wandb_run_id").read_text()
+    assert second_id != first_id
+
+    summary = train(fast_cfg(*steps, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.resume=never"))
+    assert "resumed_from" not in summary and summary["steps"] == 2
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == ["step_00000002.pt"]
+    assert sorted(losses(run)) == [1, 2] and (run / "wandb_run_id").read_text() not in (first_id, second_id)
+
+
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy):
     cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=3", f"trainer.on_nonfinite={policy}", "trainer.log_every=1")
