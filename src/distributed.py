@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+_host_group: dist.ProcessGroup | None = None  # gloo beside NCCL for World.any (None: the default group, gloo)
+
 
 @dataclass(frozen=True)
 class World:
@@ -50,6 +52,15 @@ class World:
             dist.all_reduce(t)
         return t.tolist()
 
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank. On the host (gloo, beside NCCL on GPUs): unlike an all-reduce on the
+        GPU, it does not wait for the GPU's queue, so it adds no host sync to a step."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, group=_host_group)
+        return bool(t.item())
+
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank."""
         if not self.distributed:
@@ -81,11 +92,15 @@ def process_group(world: World, device: torch.device, timeout_min: float = 30):
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank, world_size=world.size,
+    global _host_group
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(minutes=timeout_min))
+    _host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     try:
         yield
     finally:
+        _host_group = None
         dist.destroy_process_group()
 
 

@@ -296,7 +296,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
     reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
-    fault = Fault(**_fault_settings(conf))
+    fault = Fault(**_fault_settings(conf, world.rank))
     seed_everything(conf["seed"])
     corpus, encoded, train_split, info = prepare_data(conf, strategy)
     info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
@@ -545,7 +545,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                 if save_every and p.step % save_every == 0:
                     log_window()
                     save(states=states)
-                if world.distributed and world.all_sum([stop.signum is not None], device)[0]:
+                if world.any(stop.signum is not None):
                     stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
                 if stop.signum is not None:
                     log_window()
@@ -694,9 +694,10 @@ def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
     return None
 
 
-def _fault_settings(conf: dict) -> dict:
+def _fault_settings(conf: dict, rank: int = 0) -> dict:
     fault = conf.get("fault") or {}
-    return {"kind": fault.get("kind"), "at_step": fault.get("at_step", 1), "times": fault.get("times", 1)}
+    targeted = fault.get("rank") is None or fault["rank"] == rank  # torchrun: fault.rank alone fails, if set
+    return {"kind": fault.get("kind") if targeted else None, "at_step": fault.get("at_step", 1), "times": fault.get("times", 1)}
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

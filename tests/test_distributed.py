@@ -87,6 +87,23 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
 
 
+def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    """SIGTERM to rank 1 alone (a preempted node): both ranks stop after step 3, rank 0 writes that step's
+    checkpoint and an interrupted summary, and the run resumed with trainer.resume=auto completes."""
+    run = tmp_path / "run"
+    common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5",
+              "trainer.save_every=10", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}"]
+    proc = torchrun(*common, "fault.kind=sigterm", "fault.at_step=3", "fault.rank=1", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "SIGTERM at step 3: checkpoint written" in proc.stdout + proc.stderr
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003.pt"]
+    proc = torchrun(*common, "trainer.resume=auto", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == 3 and summary["steps"] == 5
+
+
 @pytest.mark.slow
 def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(tmp_path):
     runs = {}
