@@ -44,6 +44,7 @@ from .memory import (
     reset_peak_rss,
 )
 from .model import ModelArgs, Transformer
+from .profiling import StepProfiler
 from .state import Progress, clear_for_fresh_start, find_resume, prune, rng_state, set_rng_state, step_checkpoints
 from .tokenizers import save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
@@ -527,9 +528,12 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     def done() -> bool:
         return bool((max_steps and p.step >= max_steps) or (max_epochs and p.epoch >= max_epochs))
 
-    with stop_on_signals() as stop:
+    profile_dir = run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
+    with (stop_on_signals() as stop,
+          StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step, device) as profiler):
         while not done():
             for indices, real, group in steps(p.epoch)[p.batch_in_epoch:]:
+                profiler.step()
                 window.resume()
                 stats = train_step(indices, real, group)
                 window.add(stats)

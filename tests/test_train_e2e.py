@@ -89,6 +89,25 @@ def test_training_learns_to_translate(fast_cfg):
     assert trained["test_bleu"] > 25, trained
 
 
+def test_debug_profile_traces_the_chosen_steps(fast_cfg):
+    """debug=profile: steps 3-4 of a 5-step run are traced (step 2 warms the profiler up); the trace opens as
+    JSON with the steps' matrix products and the operator table names the steps, also in a resumed run."""
+    cfg = fast_cfg("debug=profile", "trainer.profile_from=2", "trainer.profile_steps=2", "trainer.max_steps=5",
+                   "trainer.eval_every=5")
+    assert train(cfg)["steps"] == 5
+    profile = Path(cfg.paths.output_dir) / "profile"
+    events = json.loads((profile / "trace.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert any(e["name"] == "aten::mm" for e in events)
+    assert (profile / "ops.txt").read_text().startswith("optimizer steps 3-4 (totals over the steps)")
+
+    # Resumed from step 5, the profiler's steps still carry the optimizer's numbers.
+    train(fast_cfg("debug=profile", "trainer.profile_from=6", "trainer.profile_steps=1", "trainer.max_steps=8",
+                   "trainer.eval_every=8", "trainer.resume=auto"))
+    events = json.loads((profile / "trace.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#7"]
+
+
 @pytest.mark.parametrize(
     "files,message",
     [
