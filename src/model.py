@@ -75,12 +75,32 @@ class MultiHeadAttention(nn.Module):
         return self.attend(q, k, v, mask, causal)
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout``; in training on the CPU, the same operation at a GPU's memory cost and about 3x the speed.
+
+    PyTorch's CPU dropout draws a float mask with ``bernoulli_`` (one Mersenne Twister draw per element, on one
+    thread) and keeps that float mask, 4 bytes an element, for backward; CUDA's fused dropout keeps a 1-byte
+    boolean mask. Here one 64-bit draw gives the coins of four elements (16 bits each, so the drop probability is
+    ``p`` rounded to a multiple of 1/65536), the boolean mask is what backward keeps, and the kept values are
+    scaled by 1 / (1 - that probability). So the CPU ledger counts dropout as the GPU keeps it, and the planner,
+    which runs on the CPU, plans it so. Random masks differ from ``nn.Dropout``'s; they follow the seed."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        dropped = round(self.p * 65536)  # of 65536 equally likely 16-bit values
+        if not self.training or x.device.type != "cpu" or self.inplace or not 0 < dropped < 65536:
+            return super().forward(x)
+        n = x.numel()
+        coins = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
+        keep = coins.view(torch.int16)[:n].view(x.shape) >= dropped - 32768
+        return torch.mul(x, keep).mul_(65536 / (65536 - dropped))
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff)
         self.w2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(self.dropout(F.relu(self.w1(x))))
@@ -92,7 +112,7 @@ class Residual(nn.Module):
     def __init__(self, d_model: int, dropout: float, norm_first: bool):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.norm_first = norm_first
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
@@ -180,7 +200,7 @@ class Embedding(nn.Module):
             self.tokens.weight[pad_id].zero_()
         self.scale = math.sqrt(d_model)
         self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, ids: Tensor, offset: int = 0) -> Tensor:
         length = ids.size(1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from src.evaluate import greedy_decode
-from src.model import ModelArgs, Transformer
+from src.model import Dropout, ModelArgs, Transformer
 
 PAD = 1
 
@@ -126,3 +126,26 @@ def test_fairseq_initialization():
     assert xavier.encoder[0].ff.w1.bias.abs().max() > 0  # PyTorch's default biases under init=xavier
     with pytest.raises(ValueError, match="model.init='normal'"):
         Transformer(ModelArgs(**args, init="normal"))
+
+
+def test_cpu_dropout_drops_p_scales_the_rest_and_keeps_a_boolean_mask_for_backward():
+    torch.manual_seed(0)
+    drop = Dropout(0.1)
+    x = torch.randn(1000, 1001, requires_grad=True)  # an odd size: the last 64-bit draw is cut
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = drop(x)
+    keep = y != 0
+    assert abs(1 - keep.float().mean().item() - 0.1) < 0.002  # 1e6 coins: the standard error is 3e-4
+    scale = 65536 / (65536 - 6554)  # 0.1 of 65536 values, rounded
+    torch.testing.assert_close(y[keep], x[keep] * scale)
+    assert [(t.dtype, t.shape) for t in saved] == [(torch.bool, x.shape)]  # 1 byte an element, as CUDA keeps it
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, keep.float() * scale)
+
+    masks = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        masks.append(drop(x.detach()) != 0)
+    assert torch.equal(*masks) and not torch.equal(masks[0], keep)  # the generator's state decides the mask
+    assert torch.equal(drop.eval()(x), x)
