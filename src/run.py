@@ -698,7 +698,7 @@ def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
     return None
 
 
-def _fault_settings(conf: dict, rank: int = 0) -> dict:
+def _fault_settings(conf: dict, rank: int) -> dict:
     fault = conf.get("fault") or {}
     targeted = fault.get("rank") is None or fault["rank"] == rank  # torchrun: fault.rank alone fails, if set
     return {"kind": fault.get("kind") if targeted else None, "at_step": fault.get("at_step", 1), "times": fault.get("times", 1)}
