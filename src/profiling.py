@@ -3,6 +3,7 @@
 Step N is the profiler's warm-up (traced, then dropped); put N past the first steps, whose allocations and
 one-time setup are not typical. A step's logging, validation and checkpoint are part of it: keep
 ``trainer.eval_every`` off the profiled steps to see training alone.
+
 It writes into the run's ``profile/`` (``profile/rank<R>/`` under torchrun):
 
 - ``trace.json``, a Chrome trace of every operator and kernel with shapes and allocations: open it at
