@@ -40,6 +40,7 @@ RUN = [
     ("no step or epoch limit", ["trainer.max_steps=null"], "set trainer.max_steps or trainer.max_epochs"),
     ("memory=auto without a budget", ["memory=auto"], "memory.budget_gb=None: memory=auto needs the memory budget"),
     ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),
+    ("unknown resume setting", ["trainer.resume=yes"], "trainer.resume=yes: expected auto, never or null"),
     ("unknown non-finite policy", ["trainer.on_nonfinite=ignore"], "trainer.on_nonfinite=ignore: expected skip or stop"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
     ("Multi30k folder that does not exist", ["data=multi30k", "data.root=/nonexistent"],
