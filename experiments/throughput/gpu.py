@@ -8,10 +8,12 @@
    warm-up steps, peak CUDA memory (allocated and reserved), FLOPs per step (FlopCounterMode on the run's own
    batches) and MFU, against the measured bf16 rate and against the card's datasheet peak where it is known;
    the same at fp32 (TF32 off, PyTorch's default) for comparison;
-3. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
-4. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda).
+3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
+   operators by CUDA time;
+4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
+5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda).
 
-Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 3 and 4 write their
+Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
 Multi30k files; spaCy only if the encoded corpus is not already in the cache (MT_CACHE_DIR or .cache).
 """
@@ -60,7 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each model=base run")
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "memory", "planner"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner"])
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -99,6 +101,14 @@ def main() -> None:
         print(label, r, flush=True)
         write(results, out)
 
+    if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
+        run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / "profile_bf16"
+        sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+            *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
+            "memory=amp", "debug=profile")
+        ops = run_dir / "profile" / "ops.txt"
+        if ops.is_file():
+            (out / "profile_bf16_ops.txt").write_text(ops.read_text())
     if "memory" not in args.skip:
         sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
             "--out", str(out / "memory_strategies"))
