@@ -10,7 +10,7 @@ from src.memory import memory_strategy, strategy_label
 
 from .conftest import CONF, compose_config
 
-GROUPS = ["model", "tokenizer", "data", "memory", "optim", "trainer", "logger", "paths"]
+GROUPS = ["model", "tokenizer", "data", "memory", "optim", "trainer", "logger", "paths", "debug"]
 # data=files has mandatory paths (???); give them so the whole config resolves
 FILES_KEYS = ["data.src_lang=de", "data.tgt_lang=en", "data.train_prefix=a", "data.valid_prefix=b", "data.test_prefix=c"]
 
