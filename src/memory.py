@@ -471,9 +471,21 @@ def keep_freed_host_memory() -> bool:
     (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` would at start-up) lets freed blocks
     be reused, as CUDA's caching allocator does on the GPU, for a higher resident peak (fragmentation: 1,102
     against 971 MB on experiments/throughput's workload). Returns whether it applied (glibc only)."""
+    global _freed_host_memory_kept
     glibc = _glibc()
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    return bool(glibc and glibc.mallopt(m_mmap_threshold, 1 << 30) and glibc.mallopt(m_trim_threshold, 1 << 31))
+    applied = bool(glibc and glibc.mallopt(m_mmap_threshold, 1 << 30) and glibc.mallopt(m_trim_threshold, 1 << 31))
+    _freed_host_memory_kept |= applied
+    return applied
+
+
+_freed_host_memory_kept = False
+
+
+def freed_host_memory_kept() -> bool:
+    """Whether ``keep_freed_host_memory`` applied earlier in this process. It cannot be undone: setting the
+    thresholds back to glibc's start values would also turn off glibc's own adjustment of them."""
+    return _freed_host_memory_kept
 
 
 @functools.cache

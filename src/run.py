@@ -38,6 +38,7 @@ from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
     MemoryStrategy,
     PeakMemory,
+    freed_host_memory_kept,
     keep_freed_host_memory,
     memory_strategy,
     peak_rss_mb,
@@ -297,6 +298,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
     reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
+    if device.type == "cpu" and not reuse_host_memory and freed_host_memory_kept():
+        log.warning("trainer.reuse_host_memory=false, but an earlier run in this process (a sweep's job) made malloc "
+                    "keep freed memory, which cannot be undone: this run keeps it too")
+        reuse_host_memory = True
     fault = Fault(**_fault_settings(conf, world.rank))
     seed_everything(conf["seed"])
     corpus, encoded, train_split, info = prepare_data(conf, strategy)

@@ -174,3 +174,23 @@ def test_step_flops_count_forward_and_backward():
     assert positions == b.n_padded
     assert all(p.grad is None for p in model.parameters())  # counting leaves no gradients behind
     assert matmul_rate(torch.float32, n=256, repeats=2) > 1e8
+
+
+def test_a_later_run_in_the_process_records_the_malloc_setting_it_inherits(fast_cfg, caplog):
+    """trainer.reuse_host_memory is process-wide once applied (mallopt): a later run in the same process (a sweep's
+    next job) that asks for glibc's default still keeps freed memory, says so, and records it in its summary."""
+    import logging
+    import platform
+
+    import pytest
+
+    from src.run import train
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    steps = ["trainer.max_steps=1", "trainer.eval_every=1"]
+    assert train(fast_cfg(*steps))["reuse_host_memory"] is True
+    with caplog.at_level(logging.WARNING):
+        summary = train(fast_cfg(*steps, "trainer.reuse_host_memory=false", "trainer.resume=never"))
+    assert summary["reuse_host_memory"] is True
+    assert any("which cannot be undone" in r.message for r in caplog.records)
