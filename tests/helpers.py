@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -69,9 +70,18 @@ def rel_update_diff(u: list[torch.Tensor], v: list[torch.Tensor]) -> float:
     return ((flat_u - flat_v).norm() / flat_v.norm()).item()
 
 
-def read_wandb_run(path) -> dict:
+def read_wandb_run(path, wait_s: float = 30.0) -> dict:
     """An offline W&B run file (``run-*.wandb``) read back with wandb's own reader: the run record, the config,
-    the history rows, the final summary (summary updates applied in order) and the exit record."""
+    the history rows, the final summary (summary updates applied in order) and the exit record. Read again until
+    the exit record is there (or ``wait_s`` has passed): ``wandb.finish()`` in a process that goes on can return
+    before W&B's service has written the whole file (seen once in about 40 runs of a test that reads it at once)."""
+    deadline = time.monotonic() + wait_s
+    while (out := _read_wandb_file(path))["exit_code"] is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return out
+
+
+def _read_wandb_file(path) -> dict:
     from wandb.proto import wandb_internal_pb2 as pb
     from wandb.sdk.internal.datastore import DataStore
 
