@@ -74,7 +74,7 @@ def read_wandb_run(path, wait_s: float = 30.0) -> dict:
     """An offline W&B run file (``run-*.wandb``) read back with wandb's own reader: the run record, the config,
     the history rows, the final summary (summary updates applied in order) and the exit record. Read again until
     the exit record is there (or ``wait_s`` has passed): ``wandb.finish()`` in a process that goes on can return
-    before W&B's service has written the whole file (seen once in about 40 runs of a test that reads it at once)."""
+    before W&B's service has written the whole file (seen twice in about 75 runs of a test that read it at once)."""
     deadline = time.monotonic() + wait_s
     while (out := _read_wandb_file(path))["exit_code"] is None and time.monotonic() < deadline:
         time.sleep(0.2)
