@@ -461,6 +461,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 / (1024 if sys.platform == "darwin" else 1)
 
 
+_freed_host_memory_kept = False  # set once keep_freed_host_memory has applied in this process
+
+
 def keep_freed_host_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel (process-wide).
 
@@ -477,9 +480,6 @@ def keep_freed_host_memory() -> bool:
     applied = bool(glibc and glibc.mallopt(m_mmap_threshold, 1 << 30) and glibc.mallopt(m_trim_threshold, 1 << 31))
     _freed_host_memory_kept |= applied
     return applied
-
-
-_freed_host_memory_kept = False
 
 
 def freed_host_memory_kept() -> bool:

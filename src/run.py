@@ -706,7 +706,8 @@ def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
 def _fault_settings(conf: dict, rank: int) -> dict:
     fault = conf.get("fault") or {}
     targeted = fault.get("rank") is None or fault["rank"] == rank  # torchrun: fault.rank alone fails, if set
-    return {"kind": fault.get("kind") if targeted else None, "at_step": fault.get("at_step", 1), "times": fault.get("times", 1)}
+    return {"kind": fault.get("kind") if targeted else None, "at_step": fault.get("at_step", 1),
+            "times": fault.get("times", 1)}
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:
