@@ -6,7 +6,8 @@
 One training step of the worst-case batch (every sentence as long as the longest the data settings allow) runs on
 fake tensors that allocate nothing (src/planner.py); the peak is split into parameters, gradients, optimizer state,
 activations, logits and backward temporaries, and checked against plan.gpu_gb with a margin for the CUDA allocator
-(plan.overhead) and context (plan.context_gb). Without plan.src_len/tgt_len/src_vocab/tgt_vocab the lengths and
+(plan.overhead) and context (plan.context_gb), for the device of plan.device (cuda: attention runs in
+CUDA's fused kernels, which keep no attention weights). Without plan.src_len/tgt_len/src_vocab/tgt_vocab the lengths and
 vocabularies are measured on the training data as training prepares it (cached; no GPU needed).
 """
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+DEVICE_NOTE = {"cuda": "for CUDA (plan.device: attention in fused kernels)",
+               "cpu": "as on the CPU (plan.device: attention keeps its weights when it has dropout)"}
+
+
 def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
     s = est.shape
     print(f"model={conf['model']['name']} ({est.parameters / 1e6:.1f}M parameters, vocabularies "
@@ -86,7 +91,8 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
     if "tried" in info:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
                                                  for t in info["tried"]))
-    print(f"estimated in {est.seconds:.1f} s on fake tensors; expected cost: {cost_note(strategy)}")
+    print(f"estimated in {est.seconds:.1f} s on fake tensors, {DEVICE_NOTE[info['device']]}; expected cost: "
+          f"{cost_note(strategy)}")
 
 
 def print_table(rows, gpu, overhead, context) -> None:
@@ -106,7 +112,8 @@ def print_table(rows, gpu, overhead, context) -> None:
             f"{need:.2f}", "yes" if need <= gpu else "**no**", cost_note(strategy)]) + " |")
     first = ranked[0][3].shape
     print(f"\nworst-case batch: {first.src_len} source / {first.tgt_len} target positions per pair; "
-          f"needs = peak x {1 + overhead:.2f} + {context} GB CUDA context")
+          f"needs = peak x {1 + overhead:.2f} + {context} GB CUDA context; planned "
+          f"{DEVICE_NOTE[ranked[0][4]['device']]}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ The batch is the worst case the settings allow: every sentence as long as the lo
 position is padding (the one data-dependent operator, the list of non-pad positions, is answered "all of them").
 As in training, the step measured is a second one, after the first has created Adam's state.
 
-CPU kernels decide the shapes here. On CUDA, ``max_memory_allocated`` also counts the allocator's rounding of
-each block (512 bytes) and cuBLAS workspaces, and the process needs a CUDA context (300-600 MiB outside the
-allocator): ``fits`` adds a margin for both.
+CPU kernels decide the shapes here, with one exception where CUDA's differ by much: attention. With dropout on
+the attention weights, the CPU runs attention as matrix products and keeps the weights and their dropout mask for
+backward; CUDA runs it in a fused kernel (flash or memory-efficient attention) that keeps only its inputs, output
+and log-sum-exp, and draws the dropout again from its seed in backward. Planned for ``device="cuda"``, attention
+runs without dropout, in the CPU's fused kernel, which keeps the same. On CUDA, ``max_memory_allocated``
+also counts the allocator's rounding of each block (512 bytes) and cuBLAS workspaces, and the process needs a
+CUDA context (300-600 MiB outside the allocator): ``fits`` adds a margin for both.
 """
 
 from __future__ import annotations
@@ -97,22 +101,36 @@ class _EveryPositionIsReal(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+PLAN_DEVICES = ("cuda", "cpu")
+
+
+def check_device(device: str) -> None:
+    if device not in PLAN_DEVICES:
+        raise ConfigError(f"plan.device={device}: expected one of {', '.join(PLAN_DEVICES)}")
+
+
 def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, label_smoothing: float = 0.1,
-                  clip_grad_norm: float | None = 1.0, world_size: int = 2) -> Estimate:
-    """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors; with
-    memory=fsdp, one of ``world_size`` ranks' (``shard_estimate``)."""
+                  clip_grad_norm: float | None = 1.0, world_size: int = 2, device: str = "cpu") -> Estimate:
+    """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors, as it
+    runs on ``device`` (``cuda``: attention in a fused kernel); with memory=fsdp, one of ``world_size`` ranks'
+    (``shard_estimate``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    check_device(device)
     started = time.perf_counter()
     # fp16 and bf16 store the same bytes; the GradScaler's own state is a few scalars (and reads them back to the
     # host, which fake tensors cannot), so the plan runs fp16 as bf16.
     planned = dataclasses.replace(strategy, amp="bf16") if strategy.amp == "fp16" else strategy
-    device = torch.device("cpu")
+    if device == "cuda":
+        # CUDA's fused attention kernels draw the attention dropout again from their seed in backward and keep
+        # what the CPU's fused kernel, which runs without it, keeps: no attention weights
+        args = dataclasses.replace(args, attention_dropout=0.0)
     with FakeTensorMode(), _EveryPositionIsReal():
         model = Transformer(args)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
-        trainer = Trainer(model, optimizer, scheduler, planned, device, args.pad_id, label_smoothing, clip_grad_norm)
+        trainer = Trainer(model, optimizer, scheduler, planned, torch.device("cpu"), args.pad_id, label_smoothing,
+                          clip_grad_norm)
         trainer.check_finite = False  # reading a value back to the host: fake tensors have none (a few scalars)
         # Two equal micro-batches show all accumulation does to memory (the gradients held between micro-batches);
         # more of them repeat the second one.
@@ -244,10 +262,10 @@ def longest_pair(split) -> tuple[int, int]:
 
 def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
                     budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
-                    clip_grad_norm: float | None = 1.0) -> tuple[MemoryStrategy, Estimate, list[dict]]:
-    """The least costly strategy whose worst-case step needs at most ``budget_bytes``: more accumulation first
-    (the effective batch stays the same), then amp with accumulation, then amp, checkpointing and accumulation.
-    Returns it, its estimate, and every setting tried with its estimated peak."""
+                    clip_grad_norm: float | None = 1.0, device: str = "cpu") -> tuple[MemoryStrategy, Estimate, list[dict]]:
+    """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
+    accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
+    and accumulation. Returns it, its estimate, and every setting tried with its estimated peak."""
     base = dataclasses.replace(strategy, auto=True)
     stages = [{}]
     if not base.amp:
@@ -260,7 +278,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
     lowest = dataclasses.replace(base, accum_steps=10**9, **stages[-1])
     shape = worst_case_shape(longest_src, longest_tgt, batch_size, lowest.max_tokens, lowest.accum_steps)
     floor = estimate_step(args, dataclasses.replace(lowest, accum_steps=shape.accum_steps),
-                          dataclasses.replace(shape, accum_steps=1), label_smoothing, clip_grad_norm)
+                          dataclasses.replace(shape, accum_steps=1), label_smoothing, clip_grad_norm, device=device)
     if floor.peak_bytes > budget_bytes:
         raise ConfigError(
             f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
@@ -272,7 +290,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         while True:
             candidate = dataclasses.replace(base, accum_steps=accum, **extra)
             shape = worst_case_shape(longest_src, longest_tgt, batch_size, candidate.max_tokens, accum)
-            est = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm)
+            est = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm, device=device)
             tried.append({"strategy": candidate.label, "accum_steps": shape.accum_steps, "pairs": shape.pairs,
                           "estimate_mb": round(est.peak_mb, 1)})
             if est.peak_bytes <= budget_bytes:

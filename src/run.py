@@ -139,7 +139,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     longest_src, longest_tgt = planner.longest_pair(train_split)
     chosen, est, tried = planner.choose_strategy(
         args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
-        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
+        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"], "cuda" if device.type == "cuda" else "cpu",
     )
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
@@ -154,6 +154,8 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb."""
     strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
     plan = conf.get("plan") or {}
+    device = plan.get("device", "cuda")
+    planner.check_device(device)  # before the data is read
     keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
@@ -172,17 +174,18 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
-            "from_data": sorted(k for k in keys if not plan.get(k))}
+            "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
     if strategy.auto:
         budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
-                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip)
+                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip,
+                                                               device)
         return strategy, est, info
     shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
                                      strategy.accum_steps)
     if strategy.fsdp:
         info["world_size"] = plan.get("world_size", 2)
-    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2)), info
+    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2), device), info
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

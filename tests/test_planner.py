@@ -9,7 +9,16 @@ import torch
 
 from src.memory import MemoryStrategy
 from src.model import ModelArgs
-from src.planner import BASE, VALIDATION_CASES, XLMR_VOCAB, StepShape, estimate_step, measure_step, worst_case_shape
+from src.planner import (
+    BASE,
+    SMALL,
+    VALIDATION_CASES,
+    XLMR_VOCAB,
+    StepShape,
+    estimate_step,
+    measure_step,
+    worst_case_shape,
+)
 from src.run import train
 
 from .conftest import FAST, compose_config
@@ -36,6 +45,21 @@ def test_planner_for_model_base_takes_seconds():
     split = est.split_mb()
     assert split["logits"] >= 8 * 256 * XLMR_VOCAB * 4 / 2**20 - 1
     assert split["logits"] + split["backward"] > split["activations"]
+
+
+def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cpu_shows():
+    # With dropout on the attention weights the CPU attends with matrix products and keeps the weights; CUDA's fused
+    # kernels keep what the CPU's fused kernel keeps when attention has no dropout. That kernel's real step is
+    # what the CUDA plan must match; planned as the CPU runs it, the same step is over 10% larger here.
+    shape = StepShape(4, 200, 200)
+    common = dict(src_vocab=8014, tgt_vocab=6191, pad_id=1, **SMALL)
+    dropped, plain = ModelArgs(**common, attention_dropout=0.1), ModelArgs(**common, attention_dropout=0.0)
+    for strategy in (MemoryStrategy(), MemoryStrategy(amp="bf16")):
+        fused_real = measure_step(plain, strategy, shape, torch.device("cpu"))["peak"]
+        cuda = estimate_step(dropped, strategy, shape, device="cuda")
+        assert abs(cuda.peak_bytes - fused_real) <= 0.10 * fused_real, (strategy.label, cuda.peak_mb, fused_real)
+        as_cpu = estimate_step(dropped, strategy, shape, device="cpu")
+        assert as_cpu.peak_bytes > 1.10 * fused_real, (strategy.label, as_cpu.peak_mb, fused_real)
 
 
 def test_worst_case_shape_follows_the_batching_rules():
@@ -67,6 +91,9 @@ def test_plan_command_bad_override_is_one_line():
                    "plan.tgt_vocab=50")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == ["error: memory.accum_steps=0: must be an integer >= 1"]
+    proc = run_cli("plan.py", "plan.device=gpu")  # found before the data is read
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: plan.device=gpu: expected one of cuda, cpu"]
 
 
 # ------------------------------------------------------------------------------------------ memory=auto

@@ -4,7 +4,8 @@
     python experiments/planner/check.py --device cuda    # GPU: against CUDA's max_memory_allocated / reserved
 
 For each configuration of src.planner.VALIDATION_CASES (tiny, small and base models; word and XLM-R-size
-vocabularies; several strategies), the planner's estimate on fake tensors next to a real step of the same batch.
+vocabularies; several strategies), the planner's estimate on fake tensors for that device next to a real step of the
+same batch; on CUDA also the estimate planned as the CPU runs attention (with its weights kept), for comparison.
 Writes results_<device>.md and results_<device>.json next to this file (or into --out). Needs torch only.
 """
 
@@ -36,7 +37,7 @@ def main() -> None:
     rows = []
     for name, dims, vocab, strategy, shape in VALIDATION_CASES:
         margs = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
-        est = estimate_step(margs, strategy, shape)
+        est = estimate_step(margs, strategy, shape, device=device.type)
         t0 = time.perf_counter()
         real = measure_step(margs, strategy, shape, device)
         row = {"case": name, "shape": f"{shape.accum_steps} x {shape.pairs} pairs, {shape.src_len}/{shape.tgt_len}",
@@ -45,6 +46,7 @@ def main() -> None:
                "planner_s": round(est.seconds, 2), "real_step_s": round(time.perf_counter() - t0, 2)}
         if "reserved" in real:
             row["reserved_mb"] = round(real["reserved"] / MiB, 1)
+            row["as_cpu_mb"] = round(estimate_step(margs, strategy, shape, device="cpu").peak_mb, 1)
         rows.append(row)
         print(row, flush=True)
     what = "CUDA max_memory_allocated" if device.type == "cuda" else "tracked peak of a real CPU step"
@@ -53,11 +55,13 @@ def main() -> None:
     lines = [f"Planner estimate against the {what}; {machine}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d')}.", "",
              "| case | batch (micro-batches x pairs, src/tgt positions) | estimate (MiB) | measured (MiB) | error | "
-             + ("CUDA reserved (MiB) | " if device.type == "cuda" else "") + "planner (s) |",
-             "|---|---|---|---|---|" + ("---|" if device.type == "cuda" else "") + "---|"]
+             + ("CUDA reserved (MiB) | planned as on the CPU (MiB) | " if device.type == "cuda" else "")
+             + "planner (s) |",
+             "|---|---|---|---|---|" + ("---|---|" if device.type == "cuda" else "") + "---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['shape']} | {r['estimate_mb']:,.1f} | {r['measured_mb']:,.1f} | "
-                     f"{r['error_pct']:+.2f}% | " + (f"{r['reserved_mb']:,.1f} | " if "reserved_mb" in r else "")
+                     f"{r['error_pct']:+.2f}% | "
+                     + (f"{r['reserved_mb']:,.1f} | {r['as_cpu_mb']:,.1f} | " if "reserved_mb" in r else "")
                      + f"{r['planner_s']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
