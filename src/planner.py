@@ -224,6 +224,9 @@ VALIDATION_CASES = [
     ("base spacy none", BASE, (8014, 6191, False), MemoryStrategy(), StepShape(4, 17, 16)),
     ("base xlmr amp+chunked_ce", BASE, (XLMR_VOCAB, XLMR_VOCAB, True), MemoryStrategy(amp="bf16", loss_chunk=32),
      StepShape(2, 16, 16)),
+    # long sentences, where attention's kept weights matter: CUDA's fused kernels keep none (plan device="cuda")
+    ("small spacy none, 200 tokens", SMALL, (8014, 6191, False), MemoryStrategy(), StepShape(4, 200, 200)),
+    ("base spacy amp, 128 tokens", BASE, (8014, 6191, False), MemoryStrategy(amp="bf16"), StepShape(4, 128, 128)),
 ]
 
 
