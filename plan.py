@@ -6,8 +6,8 @@
 One training step of the worst-case batch (every sentence as long as the longest the data settings allow) runs on
 fake tensors that allocate nothing (src/planner.py); the peak is split into parameters, gradients, optimizer state,
 activations, logits and backward temporaries, and checked against plan.gpu_gb with a margin for the CUDA allocator
-(plan.overhead) and context (plan.context_gb), for the device of plan.device (cuda: attention runs in
-CUDA's fused kernels, which keep no attention weights). Without plan.src_len/tgt_len/src_vocab/tgt_vocab the lengths and
+(plan.overhead) and context (plan.context_gb). It plans for plan.device (cuda, where attention runs in fused
+kernels that keep no attention weights; or cpu). Without plan.src_len/tgt_len/src_vocab/tgt_vocab the lengths and
 vocabularies are measured on the training data as training prepares it (cached; no GPU needed).
 """
 

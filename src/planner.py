@@ -265,7 +265,8 @@ def longest_pair(split) -> tuple[int, int]:
 
 def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
                     budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
-                    clip_grad_norm: float | None = 1.0, device: str = "cpu") -> tuple[MemoryStrategy, Estimate, list[dict]]:
+                    clip_grad_norm: float | None = 1.0,
+                    device: str = "cpu") -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
     accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
     and accumulation. Returns it, its estimate, and every setting tried with its estimated peak."""

@@ -139,7 +139,8 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     longest_src, longest_tgt = planner.longest_pair(train_split)
     chosen, est, tried = planner.choose_strategy(
         args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
-        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"], "cuda" if device.type == "cuda" else "cpu",
+        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
+        device="cuda" if device.type == "cuda" else "cpu",
     )
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
