@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     gpu, overhead, context = plan["gpu_gb"], plan["overhead"], plan["context_gb"]
     if len(rows) == 1:
         print_one(*rows[0], gpu, overhead, context)
+        job, _, strategy, est, _ = rows[0]
+        if est.required_gb(overhead, context) > gpu and not strategy.auto:
+            print_fix(job, gpu)
     else:
         print_table(rows, gpu, overhead, context)
     return 0
@@ -93,6 +96,18 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
                                                  for t in info["tried"]))
     print(f"estimated in {est.seconds:.1f} s on fake tensors, {DEVICE_NOTE[info['device']]}; expected cost: "
           f"{cost_note(strategy)}")
+
+
+def print_fix(job: list[str], gpu: float) -> None:
+    """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``)."""
+    try:
+        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"]))
+    except UserError as e:
+        print(f"to fit: {e}")
+        return
+    print(f"to fit: memory=auto memory.budget_gb={gpu:g} would train with {strategy.label}, accum_steps "
+          f"{strategy.accum_steps} (micro-batches of up to {est.shape.pairs} pairs): {est.peak_mb:,.1f} MiB, the "
+          "same effective batch")
 
 
 def print_table(rows, gpu, overhead, context) -> None:

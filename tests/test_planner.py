@@ -1,6 +1,7 @@
 """The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -79,6 +80,11 @@ def test_plan_command_prints_the_split_and_the_verdict(tmp_path):
     out = proc.stdout
     assert "1 micro-batch(es) of 16 pairs, 256 source and 256 target positions" in out
     assert "does NOT fit a 12 GB card" in out and "logits" in out
+    # and what memory=auto would do about it: more accumulation, whose estimate fits with the margins
+    fix = re.search(r"to fit: memory=auto memory.budget_gb=12 would train with auto\(accum\), accum_steps 2 "
+                    r"\(micro-batches of up to 8 pairs\): ([\d,.]+) MiB, the same effective batch", out)
+    assert fix, out
+    assert float(fix.group(1).replace(",", "")) * 1.10 / 1024 + 0.5 <= 12
     proc = run_cli("plan.py", "-m", "memory=none,[amp,checkpoint,chunked_ce]", *common)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run")]
