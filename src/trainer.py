@@ -199,7 +199,10 @@ class Trainer:
         # memory=fsdp: the run passes the LossModule it sharded before building the optimizer (src/distributed.py)
         self.net: nn.Module = net or LossModule(model, pad_id, label_smoothing, strategy.loss_chunk)
         if self.world.distributed and not strategy.fsdp:
-            self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None)
+            # The model's only buffers are its sinusoidal positions, the same on every rank: no broadcast of them
+            # from rank 0 before each forward pass (DDP's default), a collective per micro-batch for nothing.
+            self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None,
+                                               broadcast_buffers=False)
 
     def compile(self) -> None:
         """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
-runs the dummy batch). Each rank writes its parameters after the steps and the number of DDP communication-hook
-calls in each step to OUT_DIR/rank<r>.pt.
+runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
+calls in each step and the number of buffer broadcasts in all steps to OUT_DIR/rank<r>.pt.
 """
 
 import os
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,12 +40,20 @@ def main(out: Path, accum: int) -> None:
             return allreduce_hook(None, bucket)
 
         trainer.net.register_comm_hook(None, counting_hook)
+        broadcasts = 0  # DDP broadcasts the module's buffers from rank 0 before a forward pass when asked to
+
+        def counting_broadcast(*args, **kwargs):
+            nonlocal broadcasts
+            broadcasts += 1
+            return broadcast(*args, **kwargs)
+
+        broadcast, dist._broadcast_coalesced = dist._broadcast_coalesced, counting_broadcast
         for indices, real, group in shard_steps(ORDER, world):
             calls.append(0)
             step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
             trainer.step(micro_batches(split, indices, sizes, accum, PAD, BOS, EOS), step_tokens, real)
-        torch.save({"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls},
-                   out / f"rank{world.rank}.pt")
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls,
+                    "buffer_broadcasts": broadcasts}, out / f"rank{world.rank}.pt")
 
 
 def fsdp_peak(out: Path) -> None:
