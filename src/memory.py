@@ -282,6 +282,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.live_by_category)
 
 
+def optimizer_state(optimizer: torch.optim.Optimizer) -> list:
+    """The optimizer's per-parameter state (Adam's step and moments)."""
+    return [t for state in optimizer.state.values() for t in state.values()]
+
+
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
                  marks: dict[str, int] | None = None) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters and the optimizer's state
@@ -291,7 +296,7 @@ def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
     if marks is not None:
         trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
     tracker.watch(trainer.model)
-    tracker.track([t for state in trainer.optimizer.state.values() for t in state.values()], category="optimizer")
+    tracker.track(optimizer_state(trainer.optimizer), category="optimizer")
     with tracker:
         trainer.step(micro_batches)
     tracker.unwatch()
@@ -322,6 +327,7 @@ class PeakMemory:
         self.window_sampled = False
         self.last: dict[str, float] = {}  # the ledger of the window's last sampled step, in MiB
         self._marks: dict[str, int] | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
         if self.cuda:  # a sweep's jobs share a process: this run's figures start here
             torch.cuda.reset_peak_memory_stats(device)
@@ -330,9 +336,10 @@ class PeakMemory:
     def available(self) -> bool:
         return self.cuda or self.tracker is not None
 
-    def watch(self, model: torch.nn.Module) -> None:
+    def watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.tracker is not None:
             self.tracker.watch(model)
+        self._optimizer = optimizer
 
     def _live(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else self.tracker.live
@@ -354,6 +361,10 @@ class PeakMemory:
             self.window_peak = max(self.window_peak, torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            # the optimizer's state: created inside a counted step (the first), or loaded from a checkpoint before
+            # training, outside any; storages already counted are skipped
+            if self._optimizer is not None:
+                self.tracker.track(optimizer_state(self._optimizer), category="optimizer")
             self.tracker.reset_peak()
         try:
             with self.tracker if self.tracker is not None else contextlib.nullcontext():

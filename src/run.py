@@ -365,7 +365,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
             log.warning("trainer.compile: the CPU tensor tracker sees eager operations only; memory is not tracked")
             track_cpu = False
     peak = PeakMemory(device, track_cpu=track_cpu, every=tr.get("memory_every", 1))
-    peak.watch(model)
+    peak.watch(model, optimizer)
     trainer.ledger = peak.mark
 
     def autocast():

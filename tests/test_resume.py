@@ -25,6 +25,11 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r}
 
 
+def ledger(run: Path) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("mem_") or k == "step_peak_mb"}
+            for r in read_jsonl(run / "metrics.jsonl") if "step_peak_mb" in r}
+
+
 def final_state(run: Path) -> dict:
     return load_checkpoint(run / "checkpoints" / "step_00000024.pt")["model"]
 
@@ -52,6 +57,13 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path):
     for name in sa:
         torch.testing.assert_close(sb[name], sa[name], rtol=1e-6, atol=1e-6, msg=name)
     assert summary["tgt_tokens"] == json.loads((straight / "summary.json").read_text())["tgt_tokens"]
+    # and so does the memory ledger: the optimizer state loaded from the checkpoint is counted as the state
+    # created in training was, in every step's peak and split
+    la, lb = ledger(straight), ledger(killed)
+    assert sorted(la) == sorted(lb) == list(range(1, 25))
+    for step in range(11, 25):
+        assert lb[step] == la[step], step
+    assert min(lb[step]["mem_optimizer_mb"] for step in range(11, 25)) > 0
 
 
 @pytest.mark.slow
