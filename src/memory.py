@@ -303,38 +303,69 @@ def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
     return tracker
 
 
-class PeakMemory:
-    """The memory ledger of a run's training steps: CUDA's allocator statistics, or the tracker on the CPU.
+class CudaAllocator:
+    """The CUDA caching allocator's statistics for one device (what ``PeakMemory`` reads on a GPU)."""
 
-    A sampled step (every step on CUDA, where the figures are free; every ``every``-th on the CPU, where counting
-    costs time; always the first, which creates the optimizer state) reports its peak, the split of that peak by
-    category (CPU), the growth of live memory during the first micro-batch's forward and backward passes
-    (``mark``, called by ``Trainer.step``) and, on CUDA, the allocator's allocated and reserved bytes and their
-    difference, the fragmentation. Peaks are also kept per window (one per log line; ``skip_window`` drops what
-    happened outside training, such as evaluation) and for the run.
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def peak_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+
+# How often the tensor tracker counts a step by default: on the CPU it is the only source of the peak; on CUDA it
+# adds the split by category to the allocator's figures, for a Python call per operator (every 100th step).
+COUNT_EVERY = {"cpu": 1, "cuda": 100}
+
+
+class PeakMemory:
+    """The memory ledger of a run's training steps: the tensor tracker's split by category, and on CUDA the
+    allocator's statistics.
+
+    Every step is measured on CUDA, where the allocator's figures are free: its peak (``max_memory_allocated``),
+    allocated and reserved bytes and their difference, the fragmentation. The tracker counts every ``every``-th
+    step (always the first, which creates the optimizer state): on the CPU the step's peak itself, on CUDA the
+    split of the tracked tensors at their peak beside the allocator's (which adds its block rounding and cuBLAS
+    workspaces). Measured steps also give the growth of live memory during the first micro-batch's forward and
+    backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window (one per log line;
+    ``skip_window`` drops what happened outside training, such as evaluation) and for the run. ``allocator``
+    replaces CUDA's (tests).
     """
 
-    def __init__(self, device: torch.device, track_cpu: bool = True, every: int = 1):
+    def __init__(self, device: torch.device, track: bool = True, every: int | None = None, allocator=None):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.tracker = TensorMemoryTracker(device.type) if not self.cuda and track_cpu else None
-        self.every = max(1, int(every))
+        self.allocator = allocator or (CudaAllocator(device) if device.type == "cuda" else None)
+        self.tracker = TensorMemoryTracker(device.type) if track else None
+        self.every = max(1, int(every or COUNT_EVERY.get(device.type, 1)))
         self.run_peak = 0
         self.run_reserved = 0
+        self.run_tracked_peak = 0
         self.run_peak_by_category: dict[str, int] = {}
         self.run_max_delta = {"forward": 0, "backward": 0}
         self.window_peak = 0
         self.window_sampled = False
-        self.last: dict[str, float] = {}  # the ledger of the window's last sampled step, in MiB
+        self.last: dict[str, float] = {}  # the ledger of the window's last measured step, in MiB
         self._marks: dict[str, int] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
-        if self.cuda:  # a sweep's jobs share a process: this run's figures start here
-            torch.cuda.reset_peak_memory_stats(device)
+        if self.allocator:  # a sweep's jobs share a process: this run's figures start here
+            self.allocator.reset_peak()
 
     @property
     def available(self) -> bool:
-        return self.cuda or self.tracker is not None
+        return self.allocator is not None or self.tracker is not None
 
     def watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.tracker is not None:
@@ -342,7 +373,7 @@ class PeakMemory:
         self._optimizer = optimizer
 
     def _live(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else self.tracker.live
+        return self.allocator.allocated() if self.allocator else self.tracker.live
 
     def mark(self, point: str) -> None:
         """``Trainer.step``'s ledger hook: live bytes at the first micro-batch's forward start and end and its
@@ -352,40 +383,42 @@ class PeakMemory:
 
     @contextlib.contextmanager
     def measure(self, step: int = 1):
-        """Context for training step ``step`` (1-based); measured if it is sampled."""
-        if not self.available or (not self.cuda and (step - 1) % self.every):
+        """Context for training step ``step`` (1-based): measured on CUDA, counted by the tracker if sampled."""
+        counted = self.tracker is not None and (step - 1) % self.every == 0
+        if not (self.allocator or counted):
             yield
             return
         self._marks = {}
-        if self.cuda:
-            self.window_peak = max(self.window_peak, torch.cuda.max_memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        if self.allocator:
+            self.window_peak = max(self.window_peak, self.allocator.peak())
+            self.allocator.reset_peak()
+        if counted:
             # the optimizer's state: created inside a counted step (the first), or loaded from a checkpoint before
             # training, outside any; storages already counted are skipped
             if self._optimizer is not None:
                 self.tracker.track(optimizer_state(self._optimizer), category="optimizer")
             self.tracker.reset_peak()
         try:
-            with self.tracker if self.tracker is not None else contextlib.nullcontext():
+            with self.tracker if counted else contextlib.nullcontext():
                 yield
         finally:
             marks, self._marks = self._marks, None
-        self._record(marks)
+        self._record(marks, counted)
 
-    def _record(self, marks: dict[str, int]) -> None:
+    def _record(self, marks: dict[str, int], counted: bool) -> None:
         mib = 2**20
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
-            allocated, now_reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+        if self.allocator:
+            a = self.allocator
+            peak, reserved, allocated, now_reserved = a.peak(), a.peak_reserved(), a.allocated(), a.reserved()
             self.run_reserved = max(self.run_reserved, reserved)
             self.last = {"cuda_allocated_mb": allocated / mib, "cuda_reserved_mb": now_reserved / mib,
                          "cuda_fragmentation_mb": (now_reserved - allocated) / mib, "cuda_peak_reserved_mb": reserved / mib}
         else:
-            peak = self.tracker.peak
-            self.last = {f"mem_{k}_mb": v / mib for k, v in self.tracker.peak_by_category.items()}
-            if peak > self.run_peak:
+            peak, self.last = self.tracker.peak, {}
+        if counted:
+            self.last.update({f"mem_{k}_mb": v / mib for k, v in self.tracker.peak_by_category.items()})
+            if self.tracker.peak > self.run_tracked_peak:
+                self.run_tracked_peak = self.tracker.peak
                 self.run_peak_by_category = dict(self.tracker.peak_by_category)
         self.last["step_peak_mb"] = peak / mib
         if {"forward_start", "forward_end", "backward_end"} <= marks.keys():
@@ -399,25 +432,25 @@ class PeakMemory:
         self.run_peak = max(self.run_peak, peak)
 
     def window_metrics(self) -> dict[str, float]:
-        """The window's peak and the last sampled step's ledger, in MiB (rounded); starts a new window."""
+        """The window's peak and the last measured step's ledger, in MiB (rounded); starts a new window."""
         if not self.window_sampled:
             return {}
-        if self.cuda:
-            self.window_peak = max(self.window_peak, torch.cuda.max_memory_allocated(self.device))
+        if self.allocator:
+            self.window_peak = max(self.window_peak, self.allocator.peak())
         metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last}
         self.window_peak, self.window_sampled, self.last = 0, False, {}
         return {k: round(v, 1) for k, v in metrics.items()}
 
     def skip_window(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.allocator:
+            self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last = 0, False, {}
 
     def run_peak_mb(self) -> float | None:
         return self.run_peak / 2**20 if self.available else None
 
     def run_peak_split_mb(self) -> dict[str, float] | None:
-        """Bytes by category at the run's peak (CPU tracker only), in MiB."""
+        """Bytes by category at the run's largest tracked peak, in MiB."""
         if not self.run_peak_by_category:
             return None
         return {k: round(v / 2**20, 1) for k, v in self.run_peak_by_category.items()}
@@ -429,7 +462,7 @@ class PeakMemory:
         return {k: round(v / 2**20, 1) for k, v in self.run_max_delta.items()}
 
     def run_reserved_mb(self) -> float | None:
-        return self.run_reserved / 2**20 if self.cuda else None
+        return self.run_reserved / 2**20 if self.allocator else None
 
     def record_history(self) -> None:
         """CUDA: start recording allocations and their stack traces (what ``snapshot`` shows)."""

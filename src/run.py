@@ -358,13 +358,17 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, device,
     )
 
-    track_cpu = tr.get("track_memory", True)
+    track = tr.get("track_memory", True)
+    every = tr.get("memory_every")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ConfigError(f"trainer.memory_every={every}: must be an integer >= 1, or null")
     if tr.get("compile"):
         trainer.compile()
-        if track_cpu and device.type == "cpu":
-            log.warning("trainer.compile: the CPU tensor tracker sees eager operations only; memory is not tracked")
-            track_cpu = False
-    peak = PeakMemory(device, track_cpu=track_cpu, every=tr.get("memory_every", 1))
+        if track:
+            log.warning("trainer.compile: the tensor tracker sees eager operations only; tensors are not counted"
+                        + (" (the CUDA allocator's figures stay)" if device.type == "cuda" else ""))
+            track = False
+    peak = PeakMemory(device, track=track, every=every)
     peak.watch(model, optimizer)
     trainer.ledger = peak.mark
 

@@ -42,6 +42,7 @@ RUN = [
     ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),
     ("unknown resume setting", ["trainer.resume=yes"], "trainer.resume=yes: expected auto, never or null"),
     ("unknown non-finite policy", ["trainer.on_nonfinite=ignore"], "trainer.on_nonfinite=ignore: expected skip or stop"),
+    ("memory counted every 0 steps", ["trainer.memory_every=0"], "trainer.memory_every=0: must be an integer >= 1, or null"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
     ("Multi30k folder that does not exist", ["data=multi30k", "data.root=/nonexistent"],
      "data.root=/nonexistent: no such directory"),

@@ -2,7 +2,7 @@
 
 import torch
 
-from src.memory import CATEGORIES, MemoryStrategy, PeakMemory, TensorMemoryTracker
+from src.memory import CATEGORIES, MemoryStrategy, PeakMemory, TensorMemoryTracker, region
 
 
 def test_tracker_counts_live_storages_exactly():
@@ -152,6 +152,57 @@ def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
         assert r["mem_forward_delta_mb"] + r["mem_backward_delta_mb"] < r["mem_forward_delta_mb"]
     assert summary["peak_memory_mb"] == max(train_rows[s]["step_peak_mb"] for s in (1, 4))
     assert summary["memory_delta_mb"]["forward"] >= train_rows[4]["mem_forward_delta_mb"]
+
+
+def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_category():
+    """CUDA's ledger with a stand-in for its allocator: the allocator's figures on every step, the tracker's split
+    by category (the optimizer state included) on steps 1 and 4 of 6 with every=3, the run's split from those."""
+    mib = 2**20
+
+    class Allocator:  # CUDA's figures for step ``step``: a peak of 10 MiB per step, 5 allocated, 8 reserved
+        step = 0
+
+        def reset_peak(self):
+            pass
+
+        def peak(self):
+            return 10 * mib * self.step
+
+        def peak_reserved(self):
+            return 9 * mib
+
+        def allocated(self):
+            return 5 * mib
+
+        def reserved(self):
+            return 8 * mib
+
+    layer = torch.nn.Linear(256, 256)  # 257 KiB of parameters
+    optimizer = torch.optim.Adam(layer.parameters())
+    allocator = Allocator()
+    peak = PeakMemory(torch.device("cpu"), every=3, allocator=allocator)
+    peak.watch(layer, optimizer)
+    x = torch.randn(512, 256)
+    rows = {}
+    for step in range(1, 7):
+        allocator.step = step
+        with peak.measure(step):
+            layer(x).sum().backward()
+            with region("optimizer"):  # as Trainer.step tags it
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        rows[step] = peak.window_metrics()
+    params = sum(p.numel() * 4 for p in layer.parameters())
+    for step, row in rows.items():
+        assert row["step_peak_mb"] == row["peak_memory_mb"] == 10 * step
+        assert row["cuda_fragmentation_mb"] == 3 and row["cuda_peak_reserved_mb"] == 9
+        assert ("mem_activations_mb" in row) == (step in (1, 4)), step
+    assert rows[4]["mem_optimizer_mb"] >= round(2 * params / mib, 1)  # Adam's moments (and its temporaries)
+    assert rows[4]["mem_parameters_mb"] == round(params / mib, 1)
+    # the split is of the tensors counted (about 2 MiB here), not of the allocator's peak
+    assert 1 < sum(rows[4][f"mem_{c}_mb"] for c in CATEGORIES) < 5 < rows[4]["step_peak_mb"]
+    assert peak.run_peak_mb() == 60 and peak.run_reserved_mb() == 9
+    assert peak.run_peak_split_mb()["optimizer"] == rows[4]["mem_optimizer_mb"]
 
 
 def test_step_flops_count_forward_and_backward():

@@ -142,7 +142,7 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_run_reports_allocator_peaks(fast_cfg):
+def test_cuda_run_reports_allocator_peaks_and_the_split(fast_cfg):
     cfg = fast_cfg("trainer.device=cuda", "memory=amp", "memory.amp=fp16")
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["device"].startswith("cuda")
@@ -151,6 +151,9 @@ def test_cuda_run_reports_allocator_peaks(fast_cfg):
     assert ledger
     for r in ledger:  # fragmentation: reserved by the allocator but not allocated to a tensor
         assert r["cuda_fragmentation_mb"] == pytest.approx(r["cuda_reserved_mb"] - r["cuda_allocated_mb"], abs=0.2)
+    # the tracker's split on the first step: counted tensors, which the allocator holds in blocks at least as large
+    assert "mem_activations_mb" in ledger[0] and summary["peak_memory_split_mb"]["parameters"] > 0
+    assert sum(summary["peak_memory_split_mb"].values()) <= summary["peak_memory_mb"] + 0.1 * 6
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
