@@ -357,6 +357,7 @@ class PeakMemory:
         self.window_peak = 0
         self.window_sampled = False
         self.last: dict[str, float] = {}  # the ledger of the window's last measured step, in MiB
+        self.last_split: dict[str, float] = {}  # the split of the window's last counted step, in MiB
         self._marks: dict[str, int] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
@@ -416,7 +417,7 @@ class PeakMemory:
         else:
             peak, self.last = self.tracker.peak, {}
         if counted:
-            self.last.update({f"mem_{k}_mb": v / mib for k, v in self.tracker.peak_by_category.items()})
+            self.last_split = {f"mem_{k}_mb": v / mib for k, v in self.tracker.peak_by_category.items()}
             if self.tracker.peak > self.run_tracked_peak:
                 self.run_tracked_peak = self.tracker.peak
                 self.run_peak_by_category = dict(self.tracker.peak_by_category)
@@ -437,14 +438,14 @@ class PeakMemory:
             return {}
         if self.allocator:
             self.window_peak = max(self.window_peak, self.allocator.peak())
-        metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last}
-        self.window_peak, self.window_sampled, self.last = 0, False, {}
+        metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last_split, **self.last}
+        self.skip_window(reset_allocator=False)
         return {k: round(v, 1) for k, v in metrics.items()}
 
-    def skip_window(self) -> None:
-        if self.allocator:
+    def skip_window(self, reset_allocator: bool = True) -> None:
+        if self.allocator and reset_allocator:
             self.allocator.reset_peak()
-        self.window_peak, self.window_sampled, self.last = 0, False, {}
+        self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
 
     def run_peak_mb(self) -> float | None:
         return self.run_peak / 2**20 if self.available else None

@@ -156,7 +156,8 @@ def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
 
 def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_category():
     """CUDA's ledger with a stand-in for its allocator: the allocator's figures on every step, the tracker's split
-    by category (the optimizer state included) on steps 1 and 4 of 6 with every=3, the run's split from those."""
+    by category (the optimizer state included) on steps 1 and 4 of 6 with every=3, the run's split from those. A
+    window (a log line) of several steps shows its last step's figures and its last counted step's split."""
     mib = 2**20
 
     class Allocator:  # CUDA's figures for step ``step``: a peak of 10 MiB per step, 5 allocated, 8 reserved
@@ -193,6 +194,16 @@ def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_categor
             optimizer.zero_grad(set_to_none=True)
         rows[step] = peak.window_metrics()
     params = sum(p.numel() * 4 for p in layer.parameters())
+    windows = {}  # steps 1-2, 3-4 and 5-6 in one window each
+    for step in range(1, 7):
+        allocator.step = step
+        with peak.measure(step):
+            layer(x).sum().backward()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 2 == 0:
+            windows[step] = peak.window_metrics()
+    assert [s for s, w in windows.items() if "mem_activations_mb" in w] == [2, 4]  # from steps 1 and 4
+    assert [w["step_peak_mb"] for w in windows.values()] == [20, 40, 60]
     for step, row in rows.items():
         assert row["step_peak_mb"] == row["peak_memory_mb"] == 10 * step
         assert row["cuda_fragmentation_mb"] == 3 and row["cuda_peak_reserved_mb"] == 9
