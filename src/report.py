@@ -155,7 +155,7 @@ def _status(job: Job) -> str:
 
 
 def markdown_table(jobs: list[Job]) -> str:
-    cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # CPU tracker only
+    cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # where the tracker counted
     reserved = any(j.summary.get("peak_reserved_mb") for j in jobs)
     head = ["job", "run", "effective batch", "peak memory (MiB)", *cats, *(["CUDA reserved"] if reserved else []),
             "tokens/s", "steps", "valid BLEU", "test BLEU", "status"]
