@@ -51,8 +51,10 @@ def main(cfg: DictConfig) -> float:
         return math.nan  # a failed trial, to a sweeper that optimizes the returned value
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
+    peak = summary["peak_memory_mb"]
     print(f"[{summary['strategy']}] test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}), "
-          f"{summary['tokens_per_s']:.0f} tokens/s, peak memory {summary['peak_memory_mb']} MB -> {cfg.paths.output_dir}")
+          f"{summary['tokens_per_s']:.0f} tokens/s, peak memory {'not tracked' if peak is None else f'{peak} MB'} "
+          f"-> {cfg.paths.output_dir}")
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
 
 
