@@ -228,6 +228,12 @@ VALIDATION_CASES = [
     ("small spacy none, 200 tokens", SMALL, (8014, 6191, False), MemoryStrategy(), StepShape(4, 200, 200)),
     ("base spacy amp, 128 tokens", BASE, (8014, 6191, False), MemoryStrategy(amp="bf16"), StepShape(4, 128, 128)),
 ]
+# The README's classic case (model=base, XLM-R's vocabulary, sentences of 256 tokens), checked on a GPU only: a real
+# CPU step of it takes most of a minute and 7 GB.
+CLASSIC_CASES = [
+    ("classic case, none", BASE, (XLMR_VOCAB, XLMR_VOCAB, True), MemoryStrategy(), StepShape(8, 256, 256)),
+    ("classic case, amp", BASE, (XLMR_VOCAB, XLMR_VOCAB, True), MemoryStrategy(amp="bf16"), StepShape(16, 256, 256)),
+]
 
 
 def _fake_batch(shape: StepShape, args: ModelArgs) -> Batch:

@@ -6,6 +6,7 @@
 For each configuration of src.planner.VALIDATION_CASES (tiny, small and base models; word and XLM-R-size
 vocabularies; several strategies), the planner's estimate on fake tensors for that device next to a real step of the
 same batch; beside it, the plan for the other device (cuda: attention in fused kernels; cpu: as the CPU runs it).
+On CUDA also the README's classic case (src.planner.CLASSIC_CASES), too large for a CPU check.
 Writes results_<device>.md and results_<device>.json next to this file (or into --out). Needs torch only.
 """
 
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from src.model import ModelArgs  # noqa: E402
-from src.planner import VALIDATION_CASES, estimate_step, measure_step  # noqa: E402
+from src.planner import CLASSIC_CASES, VALIDATION_CASES, estimate_step, measure_step  # noqa: E402
 
 MiB = 2**20
 
@@ -37,7 +38,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     other = "cpu" if cuda else "cuda"
     rows = []
-    for name, dims, vocab, strategy, shape in VALIDATION_CASES:
+    for name, dims, vocab, strategy, shape in VALIDATION_CASES + (CLASSIC_CASES if cuda else []):
         margs = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
         est = estimate_step(margs, strategy, shape, device=device.type)
         t0 = time.perf_counter()

@@ -11,7 +11,8 @@
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
    operators by CUDA time;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
-5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda).
+5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
+   case included.
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
