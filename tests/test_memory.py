@@ -154,33 +154,36 @@ def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
     assert summary["memory_delta_mb"]["forward"] >= train_rows[4]["mem_forward_delta_mb"]
 
 
+class StandInAllocator:
+    """CUDA's allocator figures, made up: a peak of 10 MiB per ``step``, 5 MiB allocated, 8 reserved, a reserved
+    peak of 9."""
+
+    step = 1
+
+    def reset_peak(self):
+        pass
+
+    def peak(self):
+        return 10 * 2**20 * self.step
+
+    def peak_reserved(self):
+        return 9 * 2**20
+
+    def allocated(self):
+        return 5 * 2**20
+
+    def reserved(self):
+        return 8 * 2**20
+
+
 def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_category():
     """CUDA's ledger with a stand-in for its allocator: the allocator's figures on every step, the tracker's split
     by category (the optimizer state included) on steps 1 and 4 of 6 with every=3, the run's split from those. A
     window (a log line) of several steps shows its last step's figures and its last counted step's split."""
     mib = 2**20
-
-    class Allocator:  # CUDA's figures for step ``step``: a peak of 10 MiB per step, 5 allocated, 8 reserved
-        step = 0
-
-        def reset_peak(self):
-            pass
-
-        def peak(self):
-            return 10 * mib * self.step
-
-        def peak_reserved(self):
-            return 9 * mib
-
-        def allocated(self):
-            return 5 * mib
-
-        def reserved(self):
-            return 8 * mib
-
     layer = torch.nn.Linear(256, 256)  # 257 KiB of parameters
     optimizer = torch.optim.Adam(layer.parameters())
-    allocator = Allocator()
+    allocator = StandInAllocator()
     peak = PeakMemory(torch.device("cpu"), every=3, allocator=allocator)
     peak.watch(layer, optimizer)
     x = torch.randn(512, 256)
@@ -214,6 +217,30 @@ def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_categor
     assert 1 < sum(rows[4][f"mem_{c}_mb"] for c in CATEGORIES) < 5 < rows[4]["step_peak_mb"]
     assert peak.run_peak_mb() == 60 and peak.run_reserved_mb() == 9
     assert peak.run_peak_split_mb()["optimizer"] == rows[4]["mem_optimizer_mb"]
+
+
+def test_a_run_with_an_allocator_logs_its_figures_and_every_nth_split(fast_cfg, monkeypatch):
+    """The CUDA ledger through a whole run, on the CPU: PeakMemory gets the stand-in allocator. Every log line
+    carries the allocator's figures; a line whose steps include a counted one (1 and 4, memory_every=3) carries
+    the split; the summary has the allocator's peaks and the split."""
+    import functools
+    import json
+    from pathlib import Path
+
+    import src.run
+    from src.run import train
+
+    monkeypatch.setattr(src.run, "PeakMemory", functools.partial(PeakMemory, allocator=StandInAllocator()))
+    cfg = fast_cfg("trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=6", "trainer.memory_every=3")
+    summary = train(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    lines = {r["step"]: r for r in rows if "loss" in r}
+    assert sorted(lines) == [2, 4, 6]
+    for r in lines.values():
+        assert r["step_peak_mb"] == 10 and r["cuda_fragmentation_mb"] == 3 and r["cuda_peak_reserved_mb"] == 9
+    assert [s for s, r in lines.items() if "mem_activations_mb" in r] == [2, 4]
+    assert summary["peak_memory_mb"] == 10 and summary["peak_reserved_mb"] == 9
+    assert summary["peak_memory_split_mb"]["parameters"] > 0
 
 
 def test_step_flops_count_forward_and_backward():
