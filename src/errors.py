@@ -10,6 +10,14 @@ class ConfigError(UserError):
     pass
 
 
+def check_int(key: str, value, minimum: int, nullable: bool = False) -> None:
+    """A setting that must be an integer of at least ``minimum`` (or null, where ``nullable``)."""
+    if nullable and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{key}={value}: must be an integer >= {minimum}" + (", or null" if nullable else ""))
+
+
 class DataError(UserError):
     pass
 

@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 
 try:
     from torch.distributed.tensor import DTensor
@@ -70,19 +70,14 @@ class MemoryStrategy:
             raise ConfigError(f"memory.amp={self.amp}: expected bf16, fp16 or null")
         if self.overlong not in ("truncate", "drop"):
             raise ConfigError(f"memory.overlong={self.overlong}: expected truncate or drop")
-        for key, minimum in (("accum_steps", 1), ("max_src_len", 1), ("max_tgt_len", 1), ("loss_chunk", 1),
-                             ("max_tokens", 2)):
-            value = getattr(self, key)
-            if key != "accum_steps" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                where = "data" if key == "max_tokens" else "memory"
-                raise ConfigError(f"{where}.{key}={value}: must be an integer >= {minimum}" + (", or null" if key != "accum_steps" else ""))
+        check_int("memory.accum_steps", self.accum_steps, 1)
+        for key in ("max_src_len", "max_tgt_len", "loss_chunk"):
+            check_int(f"memory.{key}", getattr(self, key), 1, nullable=True)
+        check_int("data.max_tokens", self.max_tokens, 2, nullable=True)
         for key in ("checkpoint", "trim_vocab", "auto", "fsdp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"memory.{key}={getattr(self, key)}: expected true or false")
-        if not isinstance(self.oom_retries, int) or isinstance(self.oom_retries, bool) or self.oom_retries < 0:
-            raise ConfigError(f"memory.oom_retries={self.oom_retries}: must be an integer >= 0")
+        check_int("memory.oom_retries", self.oom_retries, 0)
         if self.auto and not (isinstance(self.budget_gb, (int, float)) and self.budget_gb > 0):
             raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
                               "e.g. memory.budget_gb=12")

@@ -31,7 +31,7 @@ from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_s
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
 from .distributed import World, full_state, fully_shard_net, load_full_state, process_group, shard_steps, world_from_env
-from .errors import ConfigError, DataError, NumericalError, UserError
+from .errors import ConfigError, DataError, NumericalError, UserError, check_int
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
@@ -360,8 +360,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     track = tr.get("track_memory", True)
     every = tr.get("memory_every")
-    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
-        raise ConfigError(f"trainer.memory_every={every}: must be an integer >= 1, or null")
+    check_int("trainer.memory_every", every, 1, nullable=True)
     if tr.get("compile"):
         trainer.compile()
         if track:
