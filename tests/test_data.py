@@ -238,3 +238,19 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     monkeypatch.undo()
     other = encode_corpus(corpus, {"name": "spacy", "min_freq": 2}, tmp_path)
     assert not other.from_cache and other.cache_file != first.cache_file
+
+
+def test_encoded_corpus_cache_is_not_reused_after_the_encoding_code_changes(tmp_path, monkeypatch):
+    """Token ids and detokenization rules cached by older tokenizer code are not loaded by newer code."""
+    corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
+    code = tmp_path / "tokenizers.py"
+    code.write_text("# version 1\n")
+    monkeypatch.setattr("src.data.encode.ENCODING_CODE", (code,))
+    spec = {"name": "spacy", "min_freq": 1}
+    first = encode_corpus(corpus, spec, tmp_path / "cache")
+    assert encode_corpus(corpus, spec, tmp_path / "cache").from_cache
+    code.write_text("# version 2\n")
+    edited = encode_corpus(corpus, spec, tmp_path / "cache")
+    assert not edited.from_cache and edited.cache_file != first.cache_file
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0.1")  # another spaCy
+    assert not encode_corpus(corpus, spec, tmp_path / "cache").from_cache

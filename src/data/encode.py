@@ -1,9 +1,12 @@
-"""Encode a corpus with its tokenizers, once: the result is cached on disk, keyed by the text and the tokenizer
-settings, so the runs of a sweep (and reruns) load token ids instead of tokenizing again."""
+"""Encode a corpus with its tokenizers, once: the result is cached on disk, keyed by the text, the tokenizer
+settings and what else decides the token ids (the code that builds the tokenizers and encodes, the tokenizer
+packages' versions), so the runs of a sweep (and reruns) load token ids instead of tokenizing again, and an edit
+to that code or an upgrade never loads ids (or detokenization rules) made by the old one."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 from collections.abc import Sequence
@@ -19,7 +22,21 @@ from .corpus import Corpus
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+ENCODING_CODE = (Path(__file__), Path(__file__).parents[1] / "tokenizers.py")
+ENCODING_PACKAGES = ("spacy", "sentencepiece", "tokenizers", "transformers")
+
+
+def encoding_version() -> dict:
+    """What decides the token ids besides the text and the settings: digests of the encoding code, and the
+    versions of the tokenizer packages (null where one is not installed)."""
+    code = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in ENCODING_CODE}
+    packages = {}
+    for name in ENCODING_PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = None
+    return {"code": code, "packages": packages}
 
 
 class PackedSequences(Sequence[Tensor]):
@@ -62,8 +79,8 @@ class EncodedCorpus:
 
 def cache_key(corpus: Corpus, tokenizer: dict) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"v": CACHE_VERSION, "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang]},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"encoding": encoding_version(), "tokenizer": tokenizer,
+                         "langs": [corpus.src_lang, corpus.tgt_lang]}, sort_keys=True).encode())
     for name in sorted(corpus.splits):
         split = corpus.splits[name]
         h.update(f"\0{name}\0{len(split)}".encode())
