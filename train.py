@@ -52,10 +52,18 @@ def main(cfg: DictConfig) -> float:
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
     peak = summary["peak_memory_mb"]
-    print(f"[{summary['strategy']}] test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}), "
-          f"{summary['tokens_per_s']:.0f} tokens/s, peak memory {'not tracked' if peak is None else f'{peak} MB'} "
-          f"-> {cfg.paths.output_dir}")
+    print(f"[{summary['strategy']}] {scores(summary)}, {summary['tokens_per_s']:.0f} tokens/s, "
+          f"peak memory {'not tracked' if peak is None else f'{peak} MB'} -> {cfg.paths.output_dir}")
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
+
+
+def scores(summary: dict) -> str:
+    """The run's BLEU, saying what it was measured on where that is not the whole test set."""
+    pairs = summary["eval_pairs"]["test"]
+    if summary.get("overfit_batches"):
+        return f"BLEU {summary['test_bleu']:.2f} on the {pairs} training pairs it overfit (trainer.overfit_batches)"
+    limited = f" on the first {pairs} pairs (trainer.limit_eval)" if pairs < summary["sentences"]["test"] else ""
+    return f"test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}){limited}"
 
 
 def quiet_rank(argv: list[str]) -> list[str]:

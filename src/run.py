@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from . import planner
 from .checkpoint import load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes
-from .data.corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
+from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
 from .distributed import World, full_state, fully_shard_net, load_full_state, process_group, shard_steps, world_from_env
@@ -189,6 +189,32 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2), device), info
 
 
+@dataclasses.dataclass
+class EvalSet:
+    """What a validation or the test translates (``encoded``) and scores against (``text.tgt``)."""
+
+    encoded: EncodedSplit
+    text: ParallelText
+
+
+def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = None,
+                    overfit: tuple[EncodedSplit, list[int]] | None = None) -> dict[str, EvalSet]:
+    """The validation and test sets: the corpus's, or their first ``limit`` pairs (trainer.limit_eval). With
+    ``overfit`` (the training split and the pairs of trainer.overfit_batches), both are those training pairs,
+    scored against their targets as training sees them (decoded), so that BLEU shows what the model memorized."""
+    if overfit is not None:
+        train_split, pairs = overfit
+        src, tgt = [train_split.src[i] for i in pairs], [train_split.tgt[i] for i in pairs]
+        text = ParallelText([encoded.src_codec.decode(s) for s in src], [encoded.tgt_codec.decode(t) for t in tgt])
+        sets = dict.fromkeys(("valid", "test"), EvalSet(EncodedSplit(src, tgt), text))
+    else:
+        sets = {k: EvalSet(encoded.splits[k], corpus.splits[k]) for k in ("valid", "test")}
+    if limit:
+        sets = {k: EvalSet(EncodedSplit(s.encoded.src[:limit], s.encoded.tgt[:limit]),
+                           ParallelText(s.text.src[:limit], s.text.tgt[:limit])) for k, s in sets.items()}
+    return sets
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its step checkpoints and best.pt."""
     return run_dir / "checkpoints"
@@ -330,18 +356,28 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         seed_everything(conf["seed"] + world.rank)
     batch_size, max_tokens = data["batch_size"], strategy.max_tokens
     sizes = pair_sizes(train_split)
+    overfit = tr.get("overfit_batches")
+    check_int("trainer.overfit_batches", overfit, 1, nullable=True)
+    check_int("trainer.limit_eval", tr.get("limit_eval"), 1, nullable=True)
 
     def batches(epoch: int) -> list[list[int]]:
         try:
-            return epoch_batches(sizes, batch_size, max_tokens, shuffle=True, seed=conf["seed"], epoch=epoch)
+            order = epoch_batches(sizes, batch_size, max_tokens, shuffle=True, seed=conf["seed"],
+                                  epoch=0 if overfit else epoch)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if overfit and overfit > len(order):
+            raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
+        return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
 
     def steps(epoch: int) -> list[tuple[list[int], bool, list[list[int]]]]:
         return shard_steps(batches(epoch), world)
 
     tgt_sizes = [len(t) + 1 for t in train_split.tgt]  # target tokens of each pair, its </s> included
     batches_per_epoch = len(steps(0))
+    overfit_pairs = [i for b in batches(0) for i in b] if overfit else None
+    eval_sets = evaluation_sets(corpus, encoded, tr.get("limit_eval"),
+                                (train_split, overfit_pairs) if overfit else None)
     info.update(
         parameters=model.num_parameters(),
         batch_size=None if max_tokens else batch_size,
@@ -351,6 +387,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         micro_batch_size=None if max_tokens else -(-batch_size // strategy.accum_steps),
         amp=strategy.amp,
         peak_lr=peak_lr,
+        eval_pairs={k: len(v.encoded) for k, v in eval_sets.items()},
+        overfit_batches=overfit,
     )
     log.info(
         "%s: %s parameters, vocab %d/%d, %d training pairs, batches of %s in %d micro-batches, device %s",
@@ -388,14 +426,15 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         return plain[0]
 
     def evaluate(m: Transformer, split: str) -> tuple[dict, list[str]]:
-        s = encoded.splits[split]
+        s = eval_sets[split]
         t0 = time.perf_counter()
         hyp_ids = translate_ids(
-            m, s.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"], autocast
+            m, s.encoded.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"],
+            autocast,
         )
         decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, corpus.splits[split].tgt), hyps
+        return score(hyps, s.text.tgt), hyps
 
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     if not max_steps and not max_epochs:
@@ -477,13 +516,13 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     def validate(m: Transformer) -> dict:
         t0 = time.perf_counter()
-        losses = validation_loss(m, encoded.splits["valid"], tgt_codec, device, tr["eval_batch_size"],
+        losses = validation_loss(m, eval_sets["valid"].encoded, tgt_codec, device, tr["eval_batch_size"],
                                  optim["label_smoothing"], autocast, strategy.loss_chunk)
         scores, hyps = evaluate(m, "valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
         logger.log(metrics, p.step)
-        valid = corpus.splits["valid"]
+        valid = eval_sets["valid"].text
         logger.log_samples(p.step, valid.src, valid.tgt, hyps)
         for i in range(min(tr.get("num_samples", 0), len(hyps))):
             log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])

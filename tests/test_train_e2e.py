@@ -10,7 +10,7 @@ import translate
 from src.run import train
 from src.trainer import Trainer
 
-from .conftest import FAST_TRAIN
+from .conftest import FAST, FAST_TRAIN, compose_config
 from .helpers import read_jsonl, run_cli
 
 
@@ -106,6 +106,54 @@ def test_debug_profile_traces_the_chosen_steps(fast_cfg):
                    "trainer.eval_every=8", "trainer.resume=auto"))
     events = json.loads((profile / "trace.json").read_text())["traceEvents"]
     assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#7"]
+
+
+def preset_cfg(tmp_path, preset: str, *overrides: str):
+    """A fast config with a debug preset whose trainer settings are not overridden by the fast ones."""
+    ours = ("trainer.max_steps=", "trainer.eval_every=")
+    fast = [o for o in FAST if not o.startswith(ours)]
+    return compose_config(*fast, f"debug={preset}", *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+
+
+def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(tmp_path):
+    cfg = preset_cfg(tmp_path, "fdr")
+    summary = train(cfg)
+    run = Path(cfg.paths.output_dir)
+    assert summary["status"] == "completed" and summary["steps"] == 1
+    assert summary["sentences"]["valid"] == summary["sentences"]["test"] == 20
+    assert summary["eval_pairs"] == {"valid": 16, "test": 16}  # trainer.limit_eval: the first 16 of each
+    assert len((run / "test.hyp.txt").read_text().splitlines()) == 16
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "valid_bleu" in r] == [1]
+    assert (run / "checkpoints" / "best.pt").is_file()
+
+
+def test_debug_overfit_memorizes_one_batch(tmp_path):
+    """debug=overfit: every step trains on the same batch (each window of 25 steps sees the same target tokens),
+    and validation and test score those pairs, which the model reproduces. 100 steps of the same run without
+    the preset score test BLEU about 1."""
+    cfg = preset_cfg(tmp_path, "overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
+    summary = train(cfg)
+    assert summary["overfit_batches"] == 1 and summary["batches_per_epoch"] == 1 and summary["epochs"] == 100
+    assert summary["eval_pairs"] == {"valid": 16, "test": 16}
+    rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [25, 50, 75, 100] and len({r["tgt_tokens"] for r in rows}) == 1
+    assert summary["valid_bleu"] == summary["test_bleu"] > 95, summary
+
+
+def test_debug_overfit_catches_a_decoder_that_sees_the_future(tmp_path, monkeypatch):
+    """The kind of bug debug=overfit is for: without the causal mask in training the decoder can read the next
+    target token. Its training loss falls as a correct model's does (nll 0.32 after 100 steps; correct: 0.33), so
+    the loss curve does not show the bug, but greedy decoding, which cannot see the future, reproduces the pairs
+    far worse (BLEU 42; correct: 100)."""
+    from src.model import MultiHeadAttention
+
+    attend = MultiHeadAttention.attend
+    monkeypatch.setattr(MultiHeadAttention, "attend",
+                        lambda self, q, k, v, mask, causal=False: attend(self, q, k, v, mask, False))
+    cfg = preset_cfg(tmp_path, "overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
+    summary = train(cfg)
+    last = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r][-1]
+    assert last["nll"] < 0.5 and summary["test_bleu"] < 60, (last, summary)
 
 
 @pytest.mark.parametrize(
