@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from src.config_check import check_command_line
 from src.errors import UserError
+from src.report import evaluated_on
 from src.run import pass_on_signal, train
 
 log = logging.getLogger("train")
@@ -59,11 +60,10 @@ def main(cfg: DictConfig) -> float:
 
 def scores(summary: dict) -> str:
     """The run's BLEU, saying what it was measured on where that is not the whole test set."""
-    pairs = summary["eval_pairs"]["test"]
+    scope = evaluated_on(summary)
     if summary.get("overfit_batches"):
-        return f"BLEU {summary['test_bleu']:.2f} on the {pairs} training pairs it overfit (trainer.overfit_batches)"
-    limited = f" on the first {pairs} pairs (trainer.limit_eval)" if pairs < summary["sentences"]["test"] else ""
-    return f"test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f}){limited}"
+        return f"BLEU {summary['test_bleu']:.2f} {scope}"
+    return f"test BLEU {summary['test_bleu']:.2f} (valid {summary['valid_bleu']:.2f})" + (f" {scope}" if scope else "")
 
 
 def quiet_rank(argv: list[str]) -> list[str]:

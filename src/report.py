@@ -144,8 +144,21 @@ def _fmt(x, digits: int = 1) -> str:
     return str(x)
 
 
+def evaluated_on(summary: dict) -> str:
+    """What a run's BLEU scores were measured on where that is not the whole validation and test sets; "" where
+    it is."""
+    pairs = (summary.get("eval_pairs") or {}).get("test")
+    if summary.get("overfit_batches"):
+        return f"on the {pairs} training pairs it overfit (trainer.overfit_batches)"
+    if pairs is not None and pairs < (summary.get("sentences") or {}).get("test", pairs):
+        return f"on the first {pairs} pairs (trainer.limit_eval)"
+    return ""
+
+
 def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
+    if scope := evaluated_on(job.summary):
+        text += f"; BLEU {scope}"
     if backoffs := job.summary.get("oom_backoffs"):
         text += f" after {len(backoffs)} out-of-memory back-off(s)"
     error = job.summary.get("error")

@@ -156,6 +156,20 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     assert "**no summary.json** (killed?)" in table and md.exists() and png.exists()
 
 
+def test_report_says_when_bleu_was_not_measured_on_the_whole_sets(tmp_path):
+    sweep = tmp_path / "sweep"
+    whole = {"sentences": {"test": 20}, "eval_pairs": {"valid": 20, "test": 20}}
+    for job, extra in (("0", whole), ("1", {"sentences": {"test": 20}, "eval_pairs": {"valid": 16, "test": 16}}),
+                       ("2", {**whole, "eval_pairs": {"valid": 64, "test": 64}, "overfit_batches": 1})):
+        (sweep / job).mkdir(parents=True)
+        (sweep / job / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "none",
+                                                              "test_bleu": 1.0, **extra}))
+    rows = markdown_rows(write_report(sweep)[2])
+    assert rows[0].endswith("| completed |")
+    assert rows[1].endswith("| completed; BLEU on the first 16 pairs (trainer.limit_eval) |")
+    assert rows[2].endswith("| completed; BLEU on the 64 training pairs it overfit (trainer.overfit_batches) |")
+
+
 def test_report_names_what_it_cannot_read(tmp_path):
     from src.errors import DataError
 

@@ -9,6 +9,7 @@ import torch
 import translate
 from src.run import train
 from src.trainer import Trainer
+from train import scores
 
 from .conftest import FAST, FAST_TRAIN, compose_config
 from .helpers import read_jsonl, run_cli
@@ -125,6 +126,7 @@ def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(tmp_path):
     assert len((run / "test.hyp.txt").read_text().splitlines()) == 16
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "valid_bleu" in r] == [1]
     assert (run / "checkpoints" / "best.pt").is_file()
+    assert scores(summary).endswith(") on the first 16 pairs (trainer.limit_eval)")  # train.py's closing line
 
 
 def test_debug_overfit_memorizes_one_batch(tmp_path):
@@ -138,6 +140,7 @@ def test_debug_overfit_memorizes_one_batch(tmp_path):
     rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [25, 50, 75, 100] and len({r["tgt_tokens"] for r in rows}) == 1
     assert summary["valid_bleu"] == summary["test_bleu"] > 95, summary
+    assert scores(summary) == "BLEU 100.00 on the 16 training pairs it overfit (trainer.overfit_batches)"
 
 
 def test_debug_overfit_catches_a_decoder_that_sees_the_future(tmp_path, monkeypatch):
