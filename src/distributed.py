@@ -78,6 +78,27 @@ class World:
         return out
 
 
+def average_gradients(params, world: World, bucket_bytes: int = 25 * 2**20) -> int:
+    """DDP's gradient averaging after backward instead of during it: the gradients, flattened into buckets of up to
+    ``bucket_bytes`` (DDP's default size) of one dtype, summed over the ranks and divided by their number. Returns
+    the number of all-reduces."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for g in (p.grad for p in params if p.grad is not None):
+        if not buckets or size + g.nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += g.nbytes
+    for bucket in buckets:
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world.size)
+        for g, synced in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(synced.view_as(g))
+    return len(buckets)
+
+
 def world_from_env() -> World:
     """What torchrun (or SLURM through submitit) set; a single process without it."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

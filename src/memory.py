@@ -61,7 +61,9 @@ class MemoryStrategy:
     trim_vocab: bool = False
     auto: bool = False  # memory=auto: the planner picks accumulation, then amp, then checkpointing to fit budget_gb
     budget_gb: float | None = None
-    oom_retries: int = 3  # out-of-memory back-offs (twice the accumulation each) before a run fails
+    # out-of-memory back-offs (twice the accumulation each) before a run fails; None: 3 in one process, none under
+    # torchrun (see backoffs)
+    oom_retries: int | None = None
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
     max_tokens: int | None = None  # data.max_tokens: the token budget of one optimizer step's batch
 
@@ -77,10 +79,23 @@ class MemoryStrategy:
         for key in ("checkpoint", "trim_vocab", "auto", "fsdp"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"memory.{key}={getattr(self, key)}: expected true or false")
-        check_int("memory.oom_retries", self.oom_retries, 0)
+        check_int("memory.oom_retries", self.oom_retries, 0, nullable=True)
+        if self.fsdp and self.oom_retries:
+            raise ConfigError(f"memory.oom_retries={self.oom_retries} with memory=fsdp: FSDP reduce-scatters gradients "
+                              "inside every backward pass, so its ranks cannot redo a step together; set it to 0 or "
+                              "null, and plan first (plan.py)")
         if self.auto and not (isinstance(self.budget_gb, (int, float)) and self.budget_gb > 0):
             raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
                               "e.g. memory.budget_gb=12")
+
+    def backoffs(self, distributed: bool) -> int:
+        """How many out-of-memory back-offs a step may take: memory.oom_retries, or by default 3 in one process
+        and none under torchrun. There, backing off means that every rank redoes the step, so the ranks must agree
+        on one rank's error after backward, and the gradients are then all-reduced after backward rather than
+        overlapped with it, as DDP does (src/trainer.py): asked for by setting memory.oom_retries."""
+        if self.oom_retries is not None:
+            return self.oom_retries
+        return 0 if distributed else 3
 
     @property
     def truncates(self) -> bool:

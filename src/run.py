@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from . import planner
 from .checkpoint import load_checkpoint, save_checkpoint
-from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes
+from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
 from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
@@ -352,6 +352,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     optimizer, scheduler, peak_lr = build_optimizer(model, optim, device, fused=not strategy.fsdp)
     trainer = Trainer(model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"],
                       optim["clip_grad_norm"], world, net)
+    trainer.agree_on_oom = world.distributed and strategy.backoffs(world.distributed) > 0
     if world.distributed:  # the same weights on every rank (DDP checks), different dropout masks
         seed_everything(conf["seed"] + world.rank)
     batch_size, max_tokens = data["batch_size"], strategy.max_tokens
@@ -533,10 +534,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
         two for the rest of the run (twice the accumulation: the same examples, the same effective batch, the
         same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot.
-        Data-parallel runs do not back off (the other ranks are inside the step's collectives)."""
+        Data-parallel with memory.oom_retries set: every rank learns of one rank's error (Trainer.agree_on_oom) and
+        backs off alike, deciding from the step's batches on all ranks."""
         step = p.step + 1
         step_tokens = sum(tgt_sizes[i] for b in group for i in b)
-        retries = 0 if world.distributed else strategy.oom_retries
+        retries = strategy.backoffs(world.distributed)
         for attempt in range(retries + 1):
             micro = micro_batches(train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
@@ -547,16 +549,16 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
             except torch.OutOfMemoryError as e:
                 optimizer.zero_grad(set_to_none=True)
                 reason = str(e).splitlines()[0]
-                largest = max(len(b) for b in micro)
                 del micro
+                largest = max(len(part) for b in group for part in split_batch(b, sizes, p.accum_steps))
                 if attempt == retries or largest == 1:
-                    snapshot = peak.snapshot(run_dir / "oom_snapshot")
+                    snapshot = peak.snapshot(run_dir / f"oom_snapshot{f'_rank{world.rank}' if world.distributed else ''}")
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step} with micro-batches of up to {largest} pairs "
                         f"(accum_steps {p.accum_steps}) after {len(p.backoffs)} back-off(s): {reason}"
                         + (f"; memory snapshot: {snapshot}" if snapshot else "")
                     ) from None
-                p.accum_steps = min(p.accum_steps * 2, len(indices))
+                p.accum_steps = min(p.accum_steps * 2, max(len(b) for b in group))
                 p.backoffs.append({"step": step, "accum_steps": p.accum_steps, "error": reason})
                 peak.record_history()  # from now on, so that a final failure comes with a useful snapshot
                 log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step, reason, p.accum_steps)
@@ -673,16 +675,16 @@ class Fault:
 
     def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:
         """Act on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
-        attempt): raise ``oom`` or ``error``, make the step's loss NaN (``nan_loss``), or send this process SIGTERM
-        (``sigterm``: a preemption, handled after the step), SIGUSR2 (``sigusr2``: submitit's requeue signal)
-        or SIGKILL (``kill``: a crash, nothing handled)."""
+        attempt): raise ``error``, make the step run out of memory (``oom``) or its loss NaN (``nan_loss``), or
+        send this process SIGTERM (``sigterm``: a preemption, handled after the step), SIGUSR2 (``sigusr2``:
+        submitit's requeue signal) or SIGKILL (``kill``: a crash, nothing handled)."""
         if self.kind is None or step != self.at_step or self.times <= 0:
             return
         self.times -= 1
         where = f"(fault injected at step {step} by fault.kind={self.kind})"
-        if self.kind == "oom":
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.91 GiB {where}")
-        if self.kind == "nan_loss":
+        if self.kind == "oom":  # raised by the trainer at the step's first forward pass, as a real one would be
+            trainer.inject_oom = f"CUDA out of memory. Tried to allocate 1.91 GiB {where}"
+        elif self.kind == "nan_loss":
             trainer.inject_nonfinite = True
         elif self.kind in self.SIGNALS:
             os.kill(os.getpid(), self.SIGNALS[self.kind])

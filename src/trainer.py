@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from .data.batching import Batch
-from .distributed import World
+from .distributed import World, average_gradients
 from .memory import MemoryStrategy, region
 from .model import Transformer
 
@@ -195,6 +195,9 @@ class Trainer:
         # update when they are not finite; the caller applies trainer.on_nonfinite.
         self.check_finite = True
         self.inject_nonfinite = False  # fault injection: the next step's loss becomes NaN
+        self.inject_oom: str | None = None  # fault injection: the next step's first forward pass runs out of memory
+        # torchrun with memory.oom_retries set: the ranks agree on an out-of-memory error after backward (see step)
+        self.agree_on_oom = False
         self.world = world or World()
         # memory=fsdp: the run passes the LossModule it sharded before building the optimizer (src/distributed.py)
         self.net: nn.Module = net or LossModule(model, pad_id, label_smoothing, strategy.loss_chunk)
@@ -215,34 +218,29 @@ class Trainer:
 
         Data-parallel: ``step_tgt_tokens`` are the target tokens of the step's batches on all ranks, the loss's
         divisor; gradients are synchronized once, during the last micro-batch's backward. ``real=False`` (an
-        epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0."""
+        epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0.
+        With ``agree_on_oom`` (torchrun with memory.oom_retries set), no backward synchronizes: the ranks then
+        learn whether any of them ran out of memory (one host all-reduce) and either all raise
+        ``torch.OutOfMemoryError``, to redo the step together, or average their gradients (``average_gradients``)."""
         model, opt, scaler = self.model, self.optimizer, self.scaler
         model.train()
         local_tokens = sum(b.n_tgt_tokens for b in micro_batches)
         # DDP averages the gradients over the ranks; dividing by tokens / ranks leaves the sum over all tokens
         divisor = (step_tgt_tokens or local_tokens) / (self.world.size if self.world.distributed else 1)
-        loss_total = torch.zeros((), device=self.device)
-        nll_total = torch.zeros((), device=self.device)
-        mark = self.ledger or (lambda point: None)
-        for i, batch in enumerate(micro_batches):
-            batch = batch.to(self.device)
-            last = i == len(micro_batches) - 1
-            # DDP: all-reduce in the last micro-batch's backward only. FSDP reduce-scatters in every one, which
-            # keeps gradients sharded between micro-batches (its point: memory) for more communication.
-            sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
-            with sync:
-                mark("forward_start")
-                with self.strategy.autocast(self.device):
-                    loss_sum, nll_sum = self.net(batch.src, batch.tgt_in, batch.tgt_out)
-                if self.inject_nonfinite:
-                    loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
-                mark("forward_end")
-                with region("backward"):
-                    scaler.scale(loss_sum / divisor if real else loss_sum * 0.0).backward()
-                mark("backward_end")
-            if real:
-                loss_total += loss_sum.detach()
-                nll_total += nll_sum.detach()
+        agree = self.agree_on_oom and self.world.distributed
+        oom = None
+        try:
+            loss_total, nll_total = self._forward_backward(micro_batches, divisor, real, sync_last=not agree)
+        except torch.OutOfMemoryError as e:
+            if not agree:
+                raise
+            oom = str(e)  # not the error itself: its traceback holds the step's tensors
+        if agree:
+            if self.world.any(oom is not None):
+                opt.zero_grad(set_to_none=True)
+                raise torch.OutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
+            with region("gradient all-reduce"):
+                average_gradients(model.parameters(), self.world)
         with region("optimizer"):
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
             if self.clip_grad_norm:
@@ -273,6 +271,37 @@ class Trainer:
         n_padded = sum(b.n_padded for b in micro_batches) * real
         return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
                          nonfinite)
+
+    def _forward_backward(self, micro_batches: list[Batch], divisor: float, real: bool, sync_last: bool
+                          ) -> tuple[Tensor, Tensor]:
+        """Forward and backward of each micro-batch, gradients accumulated; DDP synchronizes them in the last
+        backward if ``sync_last``. Returns the summed loss and NLL."""
+        loss_total = torch.zeros((), device=self.device)
+        nll_total = torch.zeros((), device=self.device)
+        mark = self.ledger or (lambda point: None)
+        for i, batch in enumerate(micro_batches):
+            batch = batch.to(self.device)
+            last = i == len(micro_batches) - 1
+            # DDP: all-reduce in the last micro-batch's backward only. FSDP reduce-scatters in every one, which
+            # keeps gradients sharded between micro-batches (its point: memory) for more communication.
+            no_sync = hasattr(self.net, "no_sync") and not (last and sync_last)
+            with self.net.no_sync() if no_sync else contextlib.nullcontext():
+                if self.inject_oom:
+                    message, self.inject_oom = self.inject_oom, None
+                    raise torch.OutOfMemoryError(message)
+                mark("forward_start")
+                with self.strategy.autocast(self.device):
+                    loss_sum, nll_sum = self.net(batch.src, batch.tgt_in, batch.tgt_out)
+                if self.inject_nonfinite:
+                    loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
+                mark("forward_end")
+                with region("backward"):
+                    self.scaler.scale(loss_sum / divisor if real else loss_sum * 0.0).backward()
+                mark("backward_end")
+            if real:
+                loss_total += loss_sum.detach()
+                nll_total += nll_sum.detach()
+        return loss_total, nll_total
 
     @property
     def lr(self) -> float:

@@ -1,11 +1,14 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): data-parallel steps of the project's Trainer.
 
-    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS [agree]
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
-calls in each step and the number of buffer broadcasts in all steps to OUT_DIR/rank<r>.pt.
+calls in each step, the number of buffer broadcasts in all steps, and its out-of-memory back-offs and gradient
+averagings to OUT_DIR/rank<r>.pt. With ``agree`` (Trainer.agree_on_oom, as memory.oom_retries sets under torchrun),
+rank 1 runs out of memory in step 1, and every rank redoes the step with twice the micro-batches, as src/run.py
+does.
 """
 
 import os
@@ -27,12 +30,23 @@ from tests.helpers import BOS, EOS, PAD, make_split, model_and_trainer  # noqa: 
 ORDER = [[0, 1, 2, 3], [4, 5, 6, 7], [0, 2, 4, 6]]  # the epoch's batches: two steps on two ranks
 
 
-def main(out: Path, accum: int) -> None:
+def main(out: Path, accum: int, agree: bool = False) -> None:
+    import src.trainer
+
     world = world_from_env()
     split = make_split()
     sizes = pair_sizes(split)
     with process_group(world, torch.device("cpu")):
         model, trainer = model_and_trainer(MemoryStrategy(accum_steps=accum), world=world)
+        trainer.agree_on_oom = agree
+        averagings = backoffs = 0
+
+        def counting_average(*args, **kwargs):
+            nonlocal averagings
+            averagings += 1
+            return average(*args, **kwargs)
+
+        average, src.trainer.average_gradients = src.trainer.average_gradients, counting_average
         calls: list[int] = []
 
         def counting_hook(state, bucket):
@@ -48,12 +62,22 @@ def main(out: Path, accum: int) -> None:
             return broadcast(*args, **kwargs)
 
         broadcast, dist._broadcast_coalesced = dist._broadcast_coalesced, counting_broadcast
-        for indices, real, group in shard_steps(ORDER, world):
+        parts = accum
+        for step, (indices, real, group) in enumerate(shard_steps(ORDER, world), 1):
             calls.append(0)
             step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
-            trainer.step(micro_batches(split, indices, sizes, accum, PAD, BOS, EOS), step_tokens, real)
+            if agree and step == 1 and world.rank == 1:
+                trainer.inject_oom = "CUDA out of memory (injected on rank 1)"
+            while True:
+                try:
+                    trainer.step(micro_batches(split, indices, sizes, parts, PAD, BOS, EOS), step_tokens, real)
+                    break
+                except torch.OutOfMemoryError:
+                    model.zero_grad(set_to_none=True)
+                    backoffs, parts = backoffs + 1, parts * 2
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls,
-                    "buffer_broadcasts": broadcasts}, out / f"rank{world.rank}.pt")
+                    "buffer_broadcasts": broadcasts, "backoffs": backoffs, "averagings": averagings},
+                   out / f"rank{world.rank}.pt")
 
 
 def fsdp_peak(out: Path) -> None:
@@ -86,5 +110,5 @@ if __name__ == "__main__":
     if sys.argv[2] == "fsdp-peak":
         fsdp_peak(Path(sys.argv[1]))
     else:
-        main(Path(sys.argv[1]), int(sys.argv[2]))
+        main(Path(sys.argv[1]), int(sys.argv[2]), agree=sys.argv[3:] == ["agree"])
     exit_without_interpreter_shutdown()

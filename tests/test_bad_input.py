@@ -37,6 +37,8 @@ RUN = [
     ("heads that do not divide d_model", ["model.d_model=130"], "model.d_model=130 must be divisible by model.n_heads=4"),
     ("unknown initialization", ["model.init=normal"], "model.init=normal: expected xavier or fairseq"),
     ("memory=fsdp without torchrun", ["memory=fsdp"], "memory=fsdp shards over the ranks of torchrun"),
+    ("out-of-memory back-off under memory=fsdp", ["memory=fsdp", "memory.oom_retries=2"],
+     "memory.oom_retries=2 with memory=fsdp: FSDP reduce-scatters gradients inside every backward pass"),
     ("no step or epoch limit", ["trainer.max_steps=null"], "set trainer.max_steps or trainer.max_epochs"),
     ("memory=auto without a budget", ["memory=auto"], "memory.budget_gb=None: memory=auto needs the memory budget"),
     ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),

@@ -47,9 +47,11 @@ def test_each_example_counts_once_per_epoch_across_the_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum", [1, 4])
-def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_path, accum):
-    proc = torchrun("tests/ddp_worker.py", str(tmp_path), str(accum))
+@pytest.mark.parametrize("accum,agree", [(1, False), (4, False), (2, True)], ids=["accum1", "accum4", "oom-agree"])
+def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_path, accum, agree):
+    """Also when the ranks agree on out-of-memory errors (memory.oom_retries under torchrun) and rank 1 runs out
+    in step 1: both redo it with twice the micro-batches, and their gradients are averaged after backward."""
+    proc = torchrun("tests/ddp_worker.py", str(tmp_path), str(accum), *(["agree"] if agree else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # One process, plain SGD (update = lr x gradient, so equal parameters mean equal gradients), each step's
     # batches on both ranks accumulated: step 1 = batches 0 and 1, step 2 = batch 2 (rank 1's dummy adds nothing).
@@ -63,11 +65,14 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_p
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         params = torch.cat([p.flatten() for p in got["params"]])
         assert ((params - reference).norm() / reference.norm()).item() < 1e-5
-        # One synchronization per optimizer step, during the last micro-batch's backward: as many hook calls
-        # (one per gradient bucket) with 4 micro-batches as with 1; without no_sync there would be 4 times more.
-        assert got["hook_calls"][0] == got["hook_calls"][1] >= 1
-        if accum == 4:
-            assert got["hook_calls"][0] < accum
+        if agree:  # no synchronization in backward; one averaging per optimizer step, after the step's backward
+            assert got["hook_calls"] == [0, 0] and got["averagings"] == 2 and got["backoffs"] == 1
+        else:
+            # One synchronization per optimizer step, during the last micro-batch's backward: as many hook calls
+            # (one per gradient bucket) with 4 micro-batches as with 1; without no_sync there would be 4 times more.
+            assert got["hook_calls"][0] == got["hook_calls"][1] >= 1 and got["averagings"] == got["backoffs"] == 0
+            if accum == 4:
+                assert got["hook_calls"][0] < accum
         # and nothing else: the buffers (sinusoidal positions) are the same on every rank, so DDP does not
         # broadcast them before each forward pass (broadcast_buffers=False, as fairseq)
         assert got["buffer_broadcasts"] == 0
@@ -88,6 +93,25 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     # The tokens of both ranks' batches: 2 ranks x 2 steps x 16 pairs of the 200-pair split.
     assert sum(r["src_tokens"] for r in rows if "loss" in r) > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path):
+    """memory.oom_retries set under torchrun: rank 1 alone runs out of memory in step 2; both ranks redo the step
+    with twice the accumulation and the run completes, as many tokens trained as without the error."""
+    common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "trainer.eval_every=3",
+              "memory=accum", "memory.oom_retries=2", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
+    summaries = []
+    for name, fault in (("plain", []), ("oom", ["fault.kind=oom", "fault.at_step=2", "fault.rank=1"])):
+        proc = torchrun(*common, *fault, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+    plain, oom = summaries
+    assert oom["status"] == "completed" and oom["steps"] == 3 and oom["final_accum_steps"] == 8
+    assert [(b["step"], b["accum_steps"]) for b in oom["oom_backoffs"]] == [(2, 8)]
+    assert oom["oom_backoffs"][0]["error"].startswith("out of memory on another rank")  # rank 0's record
+    assert (oom["src_tokens"], oom["tgt_tokens"]) == (plain["src_tokens"], plain["tgt_tokens"])
+    assert plain["oom_backoffs"] == [] and plain["final_accum_steps"] == 4
 
 
 def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
