@@ -469,7 +469,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
 
     logger.rewind(p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
-    bar = tqdm(total=max_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,
+    total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * batches_per_epoch)))  # whichever ends first
+    bar = tqdm(total=total_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,
                dynamic_ncols=True)
 
     def log_window() -> None:
