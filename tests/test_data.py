@@ -240,17 +240,28 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     assert not other.from_cache and other.cache_file != first.cache_file
 
 
-def test_encoded_corpus_cache_is_not_reused_after_the_encoding_code_changes(tmp_path, monkeypatch):
-    """Token ids and detokenization rules cached by older tokenizer code are not loaded by newer code."""
+def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):
+    """Token ids and detokenization rules cached by older tokenizer code, or by another version of the installed
+    tokenizer package, are made again; a machine without the package (a GPU machine without spaCy) uses them."""
+    import importlib.metadata
+
     corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
     code = tmp_path / "tokenizers.py"
     code.write_text("# version 1\n")
     monkeypatch.setattr("src.data.encode.ENCODING_CODE", (code,))
-    spec = {"name": "spacy", "min_freq": 1}
-    first = encode_corpus(corpus, spec, tmp_path / "cache")
-    assert encode_corpus(corpus, spec, tmp_path / "cache").from_cache
+    spec, cache = {"name": "spacy", "min_freq": 1}, tmp_path / "cache"
+    first = encode_corpus(corpus, spec, cache)
+    assert encode_corpus(corpus, spec, cache).from_cache
     code.write_text("# version 2\n")
-    edited = encode_corpus(corpus, spec, tmp_path / "cache")
+    edited = encode_corpus(corpus, spec, cache)
     assert not edited.from_cache and edited.cache_file != first.cache_file
-    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0.1")  # another spaCy
-    assert not encode_corpus(corpus, spec, tmp_path / "cache").from_cache
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr("importlib.metadata.version", not_installed)
+    assert encode_corpus(corpus, spec, cache).from_cache
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.0.1")  # another spaCy: encoded again
+    again = encode_corpus(corpus, spec, cache)
+    assert not again.from_cache and again.cache_file == edited.cache_file
+    assert encode_corpus(corpus, spec, cache).from_cache  # and cached for that version

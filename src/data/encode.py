@@ -1,7 +1,7 @@
 """Encode a corpus with its tokenizers, once: the result is cached on disk, keyed by the text, the tokenizer
-settings and what else decides the token ids (the code that builds the tokenizers and encodes, the tokenizer
-packages' versions), so the runs of a sweep (and reruns) load token ids instead of tokenizing again, and an edit
-to that code or an upgrade never loads ids (or detokenization rules) made by the old one."""
+settings and the code that builds the tokenizers and encodes, so the runs of a sweep (and reruns) load token ids
+instead of tokenizing again, and an edit to that code never loads ids (or detokenization rules) the old code made.
+A cache file written with another version of an installed tokenizer package is encoded again."""
 
 from __future__ import annotations
 
@@ -23,20 +23,34 @@ from .corpus import Corpus
 log = logging.getLogger(__name__)
 
 ENCODING_CODE = (Path(__file__), Path(__file__).parents[1] / "tokenizers.py")
-ENCODING_PACKAGES = ("spacy", "sentencepiece", "tokenizers", "transformers")
+# The packages each tokenizer type tokenizes with (tokenizer.name).
+TOKENIZER_PACKAGES = {"spacy": ("spacy",), "xlmr": ("transformers", "tokenizers", "sentencepiece")}
 
 
-def encoding_version() -> dict:
-    """What decides the token ids besides the text and the settings: digests of the encoding code, and the
-    versions of the tokenizer packages (null where one is not installed)."""
-    code = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in ENCODING_CODE}
-    packages = {}
-    for name in ENCODING_PACKAGES:
+def code_digest() -> str:
+    h = hashlib.sha256()
+    for path in ENCODING_CODE:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def package_versions(tokenizer: dict) -> dict[str, str | None]:
+    """The installed versions of the packages this tokenizer uses (None: not installed)."""
+    versions = {}
+    for name in TOKENIZER_PACKAGES.get(tokenizer.get("name"), ()):
         try:
-            packages[name] = importlib.metadata.version(name)
+            versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            packages[name] = None
-    return {"code": code, "packages": packages}
+            versions[name] = None
+    return versions
+
+
+def changed_packages(tokenizer: dict, cached: dict) -> list[str]:
+    """The installed packages of this tokenizer whose version differs from the one a cache file was written with.
+    One not installed here is not counted: it could not tokenize again (a GPU machine without spaCy uses the
+    encoded corpus it was given)."""
+    return [f"{name} {cached.get(name)} -> {version}" for name, version in package_versions(tokenizer).items()
+            if version is not None and cached.get(name) != version]
 
 
 class PackedSequences(Sequence[Tensor]):
@@ -79,8 +93,8 @@ class EncodedCorpus:
 
 def cache_key(corpus: Corpus, tokenizer: dict) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"encoding": encoding_version(), "tokenizer": tokenizer,
-                         "langs": [corpus.src_lang, corpus.tgt_lang]}, sort_keys=True).encode())
+    h.update(json.dumps({"code": code_digest(), "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang]},
+                        sort_keys=True).encode())
     for name in sorted(corpus.splits):
         split = corpus.splits[name]
         h.update(f"\0{name}\0{len(split)}".encode())
@@ -106,11 +120,15 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
     if cache_file is not None and cache_file.is_file():
         try:
             blob = torch.load(cache_file, weights_only=True)
-            src = codec_from_state(blob["codecs"]["src"])
-            tgt = src if blob["codecs"]["shared"] else codec_from_state(blob["codecs"]["tgt"])
-            splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in blob["splits"].items()}
-            log.info("loaded encoded corpus from %s", cache_file)
-            return EncodedCorpus(src, tgt, splits, cache_file, from_cache=True)
+            changed = changed_packages(tokenizer, blob["packages"])
+            if changed:
+                log.info("encoding the corpus again: %s since %s was written", ", ".join(changed), cache_file)
+            else:
+                src = codec_from_state(blob["codecs"]["src"])
+                tgt = src if blob["codecs"]["shared"] else codec_from_state(blob["codecs"]["tgt"])
+                splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in blob["splits"].items()}
+                log.info("loaded encoded corpus from %s", cache_file)
+                return EncodedCorpus(src, tgt, splits, cache_file, from_cache=True)
         except Exception as e:  # a corrupt or outdated cache file is rebuilt, not fatal
             log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
 
@@ -124,6 +142,7 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
         blob = {
             "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
             "splits": packed,
+            "packages": package_versions(tokenizer),
         }
         with atomic_path(cache_file) as tmp:
             torch.save(blob, tmp)
