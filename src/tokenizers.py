@@ -70,14 +70,47 @@ def spacy_tokenizer(lang: str, model: str | None = None):
         raise ConfigError(f"spaCy has no language '{lang}'; check data.src_lang / data.tgt_lang") from None
 
 
-def _mostly_glued(gaps: Iterable[tuple[str, bool]]) -> set[str]:
-    """Tokens seen in at least 3 of the ``(token, glued)`` gaps and glued in most of them."""
+def _mostly(cases: Iterable[tuple[str, bool]]) -> set[str]:
+    """Tokens seen in at least 3 of the ``(token, yes)`` cases and with ``yes`` in most of them."""
     counts: dict[str, list[int]] = {}
-    for token, glued in gaps:
+    for token, yes in cases:
         c = counts.setdefault(token, [0, 0])
-        c[0] += glued
+        c[0] += yes
         c[1] += 1
-    return {token for token, (glued, n) in counts.items() if n >= 3 and glued * 2 > n}
+    return {token for token, (yes, n) in counts.items() if n >= 3 and yes * 2 > n}
+
+
+def learn_glue(docs: Sequence[Sequence[tuple[str, bool]]]) -> tuple[set[str], set[str], set[str]]:
+    """Detokenization rules from tokenized lines of ``(token, followed by a space)``: the tokens that attach to
+    the previous token ("," "." ")"), those that attach to the next ("(" "l'"), and those that alternate, opening
+    then closing within a line (straight quotes: ``a "bath" in``). Rare tokens keep their spaces."""
+    opening, closing = [], []  # (token, behaves so) for its odd and its even occurrences in a line
+    for doc in docs:
+        seen: Counter[str] = Counter()
+        for i, (text, space) in enumerate(doc):
+            before = i > 0 and not doc[i - 1][1]  # attached to the previous token
+            after = i + 1 < len(doc) and not space  # attached to the next token
+            seen[text] += 1
+            if seen[text] % 2:
+                opening.append((text, after and not before))
+            else:
+                closing.append((text, before and not after))
+    paired = {t for t in _mostly(opening) & _mostly(closing) if not any(ch.isalnum() for ch in t)}  # punctuation
+    gaps = [(a, b, not space) for doc in docs for (a, space), (b, _) in zip(doc, doc[1:])]
+
+    def left(explained: set[str]) -> set[str]:
+        return _mostly((b, glued) for a, b, glued in gaps if a not in explained)
+
+    def right(explained: set[str]) -> set[str]:
+        return _mostly((a, glued) for a, b, glued in gaps if b not in explained)
+
+    # A gap belongs to the token that explains it: "air" in "l'air" does not learn to glue left once "l'" glues
+    # right, nor a word before "." to glue right. One round of each side against the other settles both.
+    glue_left = left(paired)
+    glue_right = right(glue_left | paired)
+    glue_left = left(glue_right | paired)
+    glue_right = right(glue_left | paired)
+    return glue_left, glue_right, paired
 
 
 class SpacyCodec(Codec):
@@ -91,12 +124,13 @@ class SpacyCodec(Codec):
         glue_right: Iterable[str] = (),
         model: str | None = None,
         lowercase: bool = False,
+        paired: Iterable[str] = (),
     ):
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"vocabulary must start with {SPECIALS}")
         self.lang, self.itos, self.model, self.lowercase = lang, list(itos), model, lowercase
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
-        self.glue_left, self.glue_right = set(glue_left), set(glue_right)
+        self.glue_left, self.glue_right, self.paired = set(glue_left), set(glue_right), set(paired)
         self._tokenizer = None
 
     @property
@@ -131,17 +165,10 @@ class SpacyCodec(Codec):
         words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(SPECIALS))]
-        # Detokenization: a token "glues left" when it mostly follows its neighbour without a space ("," "."),
-        # and "glues right" when it mostly precedes one without a space ("(" "„"), gaps next to a left-gluer
-        # not counted (else every word that ends sentences would glue to the next word). Rare tokens keep
-        # their spaces.
-        glue_left = _mostly_glued(
-            (text, not space) for doc in docs for (_, space), (text, _) in zip(doc, doc[1:])
+        glue_left, glue_right, paired = learn_glue(docs)
+        return cls(
+            lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase, sorted(paired)
         )
-        glue_right = _mostly_glued(
-            (text, not space) for doc in docs for (text, space), (nxt, _) in zip(doc, doc[1:]) if nxt not in glue_left
-        )
-        return cls(lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase)
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -152,10 +179,19 @@ class SpacyCodec(Codec):
 
     def detokenize(self, tokens: Sequence[str]) -> str:
         out: list[str] = []
-        for i, tok in enumerate(tokens):
-            if i > 0 and tok not in self.glue_left and tokens[i - 1] not in self.glue_right:
+        opened: set[str] = set()  # paired tokens (quotes) opened and not yet closed
+        prev_glues_right = True  # no space before the first token
+        for tok in tokens:
+            if tok in self.paired:  # a quote attaches to what it encloses
+                closes = tok in opened
+                opened ^= {tok}
+                glues_left, glues_right = closes, not closes
+            else:
+                glues_left, glues_right = tok in self.glue_left, tok in self.glue_right
+            if not (prev_glues_right or glues_left):
                 out.append(" ")
             out.append(tok)
+            prev_glues_right = glues_right
         return "".join(out)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -177,6 +213,7 @@ class SpacyCodec(Codec):
             "itos": self.itos,
             "glue_left": sorted(self.glue_left),
             "glue_right": sorted(self.glue_right),
+            "paired": sorted(self.paired),
         }
 
 
@@ -291,7 +328,8 @@ def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[s
 def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
     if state["type"] == "spacy":
         return SpacyCodec(
-            state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"]
+            state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"],
+            state.get("paired", ()),  # vocabularies saved before quotes were paired
         )
     if state["type"] == "hf":
         local = directory / "hf" if directory is not None else None
