@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .errors import ConfigError
@@ -84,26 +84,29 @@ def learn_glue(docs: Sequence[Sequence[tuple[str, bool]]]) -> tuple[set[str], se
     """Detokenization rules from tokenized lines of ``(token, followed by a space)``: the tokens that attach to
     the previous token ("," "." ")"), those that attach to the next ("(" "l'"), and those that alternate, opening
     then closing within a line (straight quotes: ``a "bath" in``). Rare tokens keep their spaces."""
-    opening, closing = [], []  # (token, behaves so) for its odd and its even occurrences in a line
-    for doc in docs:
-        seen: Counter[str] = Counter()
-        for i, (text, space) in enumerate(doc):
-            before = i > 0 and not doc[i - 1][1]  # attached to the previous token
-            after = i + 1 < len(doc) and not space  # attached to the next token
-            seen[text] += 1
-            if seen[text] % 2:
-                opening.append((text, after and not before))
-            else:
-                closing.append((text, before and not after))
-    paired = {t for t in _mostly(opening) & _mostly(closing) if not any(ch.isalnum() for ch in t)}  # punctuation
-    gaps = [(a, b, not space) for doc in docs for (a, space), (b, _) in zip(doc, doc[1:])]
+
+    def quote_cases(opening: bool) -> Iterator[tuple[str, bool]]:
+        """(token, behaves as an opening / a closing quote) for its odd / even occurrences in each line."""
+        for doc in docs:
+            seen: Counter[str] = Counter()
+            for i, (text, space) in enumerate(doc):
+                seen[text] += 1
+                if seen[text] % 2 == opening:
+                    before = i > 0 and not doc[i - 1][1]  # attached to the previous token
+                    after = i + 1 < len(doc) and not space  # attached to the next token
+                    yield text, (after and not before) if opening else (before and not after)
+
+    def gaps() -> Iterator[tuple[str, str, bool]]:
+        return ((a, b, not space) for doc in docs for (a, space), (b, _) in zip(doc, doc[1:]))
 
     def left(explained: set[str]) -> set[str]:
-        return _mostly((b, glued) for a, b, glued in gaps if a not in explained)
+        return _mostly((b, glued) for a, b, glued in gaps() if a not in explained)
 
     def right(explained: set[str]) -> set[str]:
-        return _mostly((a, glued) for a, b, glued in gaps if b not in explained)
+        return _mostly((a, glued) for a, b, glued in gaps() if b not in explained)
 
+    # Quotes are punctuation ("pom" in "pom-pom" also opens and closes in turn).
+    paired = {t for t in _mostly(quote_cases(True)) & _mostly(quote_cases(False)) if not any(c.isalnum() for c in t)}
     # A gap belongs to the token that explains it: "air" in "l'air" does not learn to glue left once "l'" glues
     # right, nor a word before "." to glue right. One round of each side against the other settles both.
     glue_left = left(paired)
