@@ -12,7 +12,9 @@
    operators by CUDA time;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
-   case included.
+   case included;
+6. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
+   takes minutes: whether it pays on a GPU (it does not on the CPU).
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each model=base run")
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner", "compile"])
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -85,23 +87,24 @@ def main() -> None:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     common = [*args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}",
               f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none"]
-    runs = {"bf16": (["memory=amp"], bf16_rate)}
-    if "fp32" not in args.skip:
-        runs["fp32"] = ([], fp32_rate)
-    for label, (extra, rate) in runs.items():
+    def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
-        r = run_train(ROOT / "outputs" / "throughput_gpu" / stamp / label, overrides)
+        run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
+        r = run_train(run_dir, overrides)
         flops = flops_per_step(overrides, device=args.device)
         achieved = flops / r["s_per_step"]
         r |= {"gflops_per_step": round(flops / 1e9, 1), "achieved_tflops": round(achieved / 1e12, 1),
               "mfu_of_measured_matmul": round(achieved / rate, 3),
               "mfu_of_datasheet_bf16": peak and round(achieved / peak, 3)}
-        summary = json.loads((ROOT / "outputs" / "throughput_gpu" / stamp / label / "summary.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
         r["peak_memory_mb"], r["peak_reserved_mb"] = summary.get("peak_memory_mb"), summary.get("peak_reserved_mb")
         results["runs"][label] = r
         print(label, r, flush=True)
         write(results, out)
 
+    train_run("bf16", ["memory=amp"], bf16_rate)
+    if "fp32" not in args.skip:
+        train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / "profile_bf16"
         sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
@@ -115,6 +118,8 @@ def main() -> None:
             "--out", str(out / "memory_strategies"))
     if "planner" not in args.skip:
         sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner"))
+    if "compile" not in args.skip:  # last: compiling takes minutes, and the parts above matter more
+        train_run("bf16+compile", ["memory=amp", "trainer.compile=true"], bf16_rate)
 
 
 def write(results: dict, out: Path) -> None:
