@@ -1,7 +1,7 @@
 """Translate a file with a trained checkpoint, and score it when a reference is given.
 
     python translate.py outputs/runs/<date>/<time>/checkpoints/best.pt --input test.de \
-        [--reference test.en] [--output hyp.en]
+        [--reference test.en] [--output hyp.en] [--beam-size 4 --length-penalty 0.6]
 
 Reads one sentence per line (plain or .gz); writes one translation per line (stdout without --output). With
 --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--beam-size", type=int, default=1, help="1: greedy decoding (what training scores with by default)")
+    p.add_argument("--length-penalty", type=float, default=0.6, help="with beams: GNMT's alpha (0: none)")
     args = p.parse_args(argv)
     try:
         device = resolve_device(args.device)
@@ -41,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         if references is not None and len(references) != len(sources):
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
         with torch.inference_mode():
-            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=args.batch_size)
+            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=args.batch_size,
+                             beam_size=args.beam_size, alpha=args.length_penalty)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

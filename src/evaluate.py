@@ -1,4 +1,5 @@
-"""Evaluation: teacher-forced validation loss, batched greedy decoding with a key/value cache, and sacreBLEU.
+"""Evaluation: teacher-forced validation loss, batched greedy decoding and beam search with a key/value cache, and
+sacreBLEU.
 
 Hypotheses are detokenized by the target tokenizer and scored against the raw reference text with sacreBLEU's
 corpus BLEU and chrF (default settings, 13a tokenization), whose signatures are recorded with the scores.
@@ -83,6 +84,84 @@ def greedy_decode(
     return out[:, :length]
 
 
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """GNMT's length normalization (Wu et al. 2016), which "Attention Is All You Need" decodes with (alpha 0.6):
+    a hypothesis scores its log-probability divided by ((5 + length) / 6) ** alpha; alpha 0 is the plain sum."""
+    return ((5 + length) / 6) ** alpha
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    max_len: int,
+    beam_size: int,
+    alpha: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """Beam-search translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
+    ``</s>``, and their scores (B,), as fairseq does it: each sentence keeps ``beam_size`` open hypotheses in the key/value cache; a
+    candidate ending in ``</s>`` among the best ``beam_size`` of a step is set aside as finished, and a sentence
+    is done once it has ``beam_size`` finished ones (or at ``max_len``, where its open ones count as they are).
+    The best finished hypothesis by ``log-probability / length_penalty(length, alpha)`` wins, its length counting
+    ``</s>``. Done sentences leave the batch. With ``beam_size`` 1 this is greedy decoding."""
+    model.eval()
+    k = beam_size
+    src_mask = model.src_mask(src)
+    memory = model.encode(src, src_mask)
+    batch, device = src.size(0), src.device
+    # Rows are (sentence, beam) pairs, k per sentence; ``sent`` holds the sentences still open, by index in ``src``.
+    memory, src_mask = memory.repeat_interleave(k, dim=0), src_mask.repeat_interleave(k, dim=0)
+    sent = list(range(batch))
+    scores = torch.full((batch, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0  # one hypothesis to start from, so the first step does not pick k copies of the best token
+    history = torch.full((batch * k, 0), pad_id, dtype=torch.long, device=device)
+    tokens = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=device)
+    caches: list[dict] = [{} for _ in model.decoder]
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]  # (normalized score, ids)
+    for step in range(max_len):
+        logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches).float(), dim=-1)
+        vocab = logp.size(-1)
+        candidates = (scores.view(-1, 1) + logp).view(len(sent), k * vocab)
+        # 2k candidates: at most k of them end (one per hypothesis), so k that go on remain.
+        top, index = candidates.topk(min(2 * k, k * vocab), dim=-1)
+        parent = torch.arange(len(sent), device=device).unsqueeze(1) * k + index // vocab  # row extended
+        token = index % vocab
+        ends = token == eos_id
+        for i, j in (ends[:, :k] & top[:, :k].isfinite()).nonzero().tolist():  # only the best k may finish
+            ids = history[parent[i, j]].tolist() + [eos_id]
+            finished[sent[i]].append((top[i, j].item() / length_penalty(step + 1, alpha), ids))
+        go_on = (~ends).int().argsort(dim=-1, descending=True, stable=True)[:, :k]  # the best k that do not end
+        scores, parent, token = top.gather(1, go_on), parent.gather(1, go_on), token.gather(1, go_on)
+        still_open = [len(finished[s]) < k for s in sent]
+        if not any(still_open):
+            break
+        if not all(still_open):  # done sentences leave the batch
+            keep = torch.tensor(still_open, device=device)
+            sent = [s for s, o in zip(sent, still_open) if o]
+            scores, parent, token = scores[keep], parent[keep], token[keep]
+            memory = memory.view(-1, k, *memory.shape[1:])[keep].flatten(0, 1)
+            src_mask = src_mask.view(-1, k, *src_mask.shape[1:])[keep].flatten(0, 1)
+        rows = parent.view(-1)
+        history = torch.cat([history[rows], token.view(-1, 1)], dim=1)
+        for cache in caches:
+            for key in cache:
+                cache[key] = cache[key][rows]
+        tokens = token.view(-1, 1)
+    else:  # max_len reached: the open hypotheses count as they are
+        for i, s in enumerate(sent):
+            for j in range(k):
+                if scores[i, j].isfinite():
+                    finished[s].append((scores[i, j].item() / length_penalty(max_len, alpha), history[i * k + j].tolist()))
+    best = [max(f, key=lambda h: h[0]) for f in finished]
+    out = torch.full((batch, max(len(ids) for _, ids in best)), pad_id, dtype=torch.long, device=device)
+    for i, (_, ids) in enumerate(best):
+        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out, torch.tensor([score for score, _ in best])
+
+
 def translate_ids(
     model: Transformer,
     sources: Sequence[Tensor],
@@ -93,9 +172,12 @@ def translate_ids(
     max_len_a: float = 1.5,
     max_len_b: int = 10,
     autocast=contextlib.nullcontext,
+    beam_size: int = 1,
+    alpha: float = 0.0,
 ) -> list[list[int]]:
-    """Greedy translations of encoded sources (no special tokens), in input order. Each batch may produce up
-    to ``max_len_a * longest source + max_len_b`` tokens (fairseq's ``--max-len-a/b``)."""
+    """Translations of encoded sources (no special tokens), in input order: greedy, or by beam search where
+    ``beam_size`` > 1 (``alpha``: its length penalty). Each batch may produce up to ``max_len_a * longest source +
+    max_len_b`` tokens (fairseq's ``--max-len-a/b``)."""
     eos = torch.tensor([src_codec.eos_id])
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
@@ -103,8 +185,12 @@ def translate_ids(
         idx = order[start : start + batch_size]
         src = pad_stack([torch.cat([sources[i], eos]) for i in idx], src_codec.pad_id).to(device)
         max_len = int(max_len_a * src.size(1) + max_len_b)
+        specials = tgt_codec.bos_id, tgt_codec.eos_id, tgt_codec.pad_id
         with autocast():
-            hyp = greedy_decode(model, src, tgt_codec.bos_id, tgt_codec.eos_id, tgt_codec.pad_id, max_len)
+            if beam_size == 1:
+                hyp = greedy_decode(model, src, *specials, max_len)
+            else:
+                hyp, _ = beam_search(model, src, *specials, max_len, beam_size, alpha)
         for row, i in zip(hyp.tolist(), idx):
             results[i] = row
     return results

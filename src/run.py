@@ -2,7 +2,7 @@
 ``DictConfig``; everything it calls takes plain arguments.
 
 Flow: corpus -> tokenizers and encoded splits (cached) -> truncation -> model, optimizer, schedule ->
-training loop with periodic validation (loss, greedy BLEU), best and last checkpoints -> test BLEU of the best
+training loop with periodic validation (loss, BLEU), best and last checkpoints -> test BLEU of the best
 checkpoint -> ``summary.json``.
 """
 
@@ -360,6 +360,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     overfit = tr.get("overfit_batches")
     check_int("trainer.overfit_batches", overfit, 1, nullable=True)
     check_int("trainer.limit_eval", tr.get("limit_eval"), 1, nullable=True)
+    beam_size, length_penalty = tr.get("beam_size", 1), tr.get("length_penalty", 0.6)
+    check_int("trainer.beam_size", beam_size, 1)
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float) or length_penalty < 0:
+        raise ConfigError(f"trainer.length_penalty={length_penalty}: must be a number >= 0 (0: no length penalty)")
 
     def batches(epoch: int) -> list[list[int]]:
         try:
@@ -431,7 +435,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         t0 = time.perf_counter()
         hyp_ids = translate_ids(
             m, s.encoded.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"],
-            autocast,
+            autocast, beam_size, length_penalty,
         )
         decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
@@ -655,7 +659,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         "valid_bleu": p.valid_scores.get("bleu"),
         "valid_chrf": p.valid_scores.get("chrf"),
         "test_bleu": test_scores["bleu"],
-        "test_decode_s": decode_s["test"],  # greedy decoding of the test set (batched, key/value cache)
+        "test_decode_s": decode_s["test"],  # decoding the test set (batched, key/value cache)
+        "beam_size": beam_size,
         "test_chrf": test_scores["chrf"],
         "sacrebleu_signature": test_scores["bleu_signature"],
         "chrf_signature": test_scores["chrf_signature"],

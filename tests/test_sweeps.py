@@ -207,6 +207,8 @@ def test_paper_base_is_the_papers_recipe(tmp_path):
     assert (m.encoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 512, 8, 2048, 0.1)
     assert o.name == "noam" and o.warmup_steps == 4000 and o.label_smoothing == 0.1 and list(o.betas) == [0.9, 0.98]
     assert cfg.data.max_tokens == 25000 and cfg.trainer.max_steps == 100_000 and cfg.memory.trim_vocab
+    t = cfg.trainer  # section 6.1: beam size 4, length penalty 0.6, at most input length + 50
+    assert (t.beam_size, t.length_penalty, t.max_len_a, t.max_len_b) == (4, 0.6, 1, 50)
 
 
 def test_memory_sweep_preset_sweeps_strategies_at_one_effective_batch(tmp_path):

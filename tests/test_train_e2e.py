@@ -35,16 +35,30 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "best.pt").is_file()
     assert list((run / "checkpoints").glob("step_*.pt")) and (run / "tokenizer" / "codecs.json").is_file()
 
-    # translate.py with the best checkpoint reproduces the run's test score
+    # translate.py with the best checkpoint reproduces the run's test translations
+    assert translate_test_set(cfg, tmp_path) == (run / "test.hyp.txt").read_text().splitlines()
+
+
+def translate_test_set(cfg, tmp_path: Path, *args: str) -> list[str]:
+    """The run's test set translated by ``translate.py`` with its best checkpoint."""
     from src.run import load_corpus
 
     test = load_corpus(dict(cfg.data), tmp_path).splits["test"]
     (tmp_path / "test.de").write_text("\n".join(test.src) + "\n")
     (tmp_path / "test.en").write_text("\n".join(test.tgt) + "\n")
     out = tmp_path / "hyp.en"
-    assert translate.main([str(run / "checkpoints" / "best.pt"), "--input", str(tmp_path / "test.de"), "--reference",
-                           str(tmp_path / "test.en"), "--output", str(out), "--device", "cpu"]) == 0
-    assert out.read_text().splitlines() == (run / "test.hyp.txt").read_text().splitlines()
+    assert translate.main([str(Path(cfg.paths.output_dir) / "checkpoints" / "best.pt"), "--input",
+                           str(tmp_path / "test.de"), "--reference", str(tmp_path / "test.en"), "--output", str(out),
+                           "--device", "cpu", *args]) == 0
+    return out.read_text().splitlines()
+
+
+def test_a_run_decoding_with_beams_scores_what_translate_py_writes_with_them(fast_cfg, tmp_path):
+    cfg = fast_cfg("trainer.beam_size=3", "trainer.length_penalty=1.0")
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["beam_size"] == 3
+    hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
+    assert translate_test_set(cfg, tmp_path, "--beam-size", "3", "--length-penalty", "1.0") == hyps
 
 
 def test_strategies_compose_in_one_run(fast_cfg):

@@ -1,0 +1,97 @@
+"""Beam search: with one beam it is greedy decoding, with enough beams it finds what exhaustive search finds, and a
+sentence's translation does not depend on the batch it is decoded in."""
+
+import itertools
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from src.evaluate import beam_search, greedy_decode, length_penalty
+from src.model import ModelArgs, Transformer
+
+BOS, PAD, EOS = 0, 1, 2
+
+
+def reverser(vocab: int, max_words: int, steps: int = 150) -> Transformer:
+    """A small model trained for a second to write its source (1 to ``max_words`` words) backwards: its
+    translations end, at different steps for sentences of different lengths, and each token depends on the ones
+    before it, as a real model's do."""
+    torch.manual_seed(0)
+    m = Transformer(ModelArgs(src_vocab=vocab, tgt_vocab=vocab, pad_id=PAD, d_model=32, n_heads=4, d_ff=64,
+                              encoder_layers=2, decoder_layers=2, dropout=0.0))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    for _ in range(steps):
+        words = [torch.randint(3, vocab, (int(n),)) for n in torch.randint(1, max_words + 1, (32,))]
+        src = pad_sequence([torch.cat([w, torch.tensor([EOS])]) for w in words], batch_first=True, padding_value=PAD)
+        tgt = pad_sequence([torch.cat([torch.tensor([BOS]), w.flip(0), torch.tensor([EOS])]) for w in words],
+                           batch_first=True, padding_value=PAD)
+        loss = torch.nn.functional.cross_entropy(m(src, tgt[:, :-1]).flatten(0, 1), tgt[:, 1:].flatten(),
+                                                 ignore_index=PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return reverser(30, 8)
+
+
+SRC = torch.tensor([[5, 6, 7, 8, 9, EOS], [10, 11, EOS, PAD, PAD, PAD], [12, 13, 14, EOS, PAD, PAD]])
+
+
+def until_eos(row: torch.Tensor) -> list[int]:
+    ids = row.tolist()
+    return ids[: ids.index(EOS) + 1] if EOS in ids else ids  # no </s>: the whole row, max_len tokens
+
+
+def test_one_beam_is_greedy_decoding(model):
+    greedy = greedy_decode(model, SRC, BOS, EOS, PAD, max_len=12)
+    beam, _ = beam_search(model, SRC, BOS, EOS, PAD, max_len=12, beam_size=1)
+    assert [until_eos(r) for r in beam] == [until_eos(r) for r in greedy]
+    assert len({len(until_eos(r)) for r in greedy}) > 1  # the batch shrank while decoding
+
+
+def test_a_sentence_translates_the_same_alone_and_in_a_batch(model):
+    batch, scores = beam_search(model, SRC, BOS, EOS, PAD, max_len=12, beam_size=4, alpha=0.6)
+    assert len({len(until_eos(r)) for r in batch}) > 1
+    for i, src in enumerate(SRC):
+        alone, score = beam_search(model, src[src != PAD].unsqueeze(0), BOS, EOS, PAD, max_len=12, beam_size=4,
+                                   alpha=0.6)
+        assert until_eos(alone[0]) == until_eos(batch[i])
+        torch.testing.assert_close(score[0], scores[i], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def log_probs(m: Transformer, src: torch.Tensor, targets: list[list[int]]) -> list[float]:
+    """Each target's log-probability given ``src``, from the full forward pass (targets of one length)."""
+    tgt = torch.tensor(targets)
+    tgt_in = torch.cat([torch.full((len(targets), 1), BOS), tgt[:, :-1]], dim=1)
+    logp = torch.log_softmax(m(src.expand(len(targets), -1), tgt_in).float(), dim=-1)
+    return logp.gather(2, tgt.unsqueeze(2)).squeeze(2).sum(1).tolist()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+def test_enough_beams_find_the_best_translation_by_exhaustive_search(alpha):
+    """Every target of up to 4 tokens over a 6-token vocabulary, scored by the full forward pass of a half-trained
+    reverser: with 125 beams (every open hypothesis kept) beam search must return the best of them by normalized
+    score, with that score. Here that is the source backwards, which greedy decoding misses for one sentence: the
+    best hypothesis changes beams on the way, so a cache that did not follow its hypothesis would be caught."""
+    vocab, max_len = 6, 4
+    m = reverser(vocab, 3, steps=40)
+    src = torch.tensor([[3, 4, 5, EOS], [5, EOS, PAD, PAD], [4, 3, EOS, PAD]])
+    found, scores = beam_search(m, src, BOS, EOS, PAD, max_len=max_len, beam_size=5 ** (max_len - 1), alpha=alpha)
+    greedy = greedy_decode(m, src, BOS, EOS, PAD, max_len=max_len)
+    words = [t for t in range(vocab) if t != EOS]  # BOS and PAD too: nothing stops a model from writing them
+    by_length = [[[*p, EOS] for p in itertools.product(words, repeat=n - 1)] for n in range(1, max_len + 1)]
+    by_length[-1] += [list(p) for p in itertools.product(words, repeat=max_len)]  # cut at max_len, no </s>
+    for row in range(len(src)):
+        s = src[row][src[row] != PAD]
+        scored = {tuple(t): lp / length_penalty(len(t), alpha)
+                  for targets in by_length for t, lp in zip(targets, log_probs(m, s, targets))}
+        best = max(scored, key=scored.get)
+        assert tuple(until_eos(found[row])) == best == (*s[:-1].flip(0).tolist(), EOS)
+        assert abs(float(scores[row]) - scored[best]) < 1e-4  # scored while searching as the full pass scores it
+    assert until_eos(greedy[2]) == [4, 3, EOS]  # greedy: the first word it wrote looked best, and was not
