@@ -1,7 +1,8 @@
-"""Translate a file with a trained checkpoint, and score it when a reference is given.
+"""Translate a file with a trained checkpoint (or the average of several), and score it when a reference is given.
 
     python translate.py outputs/runs/<date>/<time>/checkpoints/best.pt --input test.de \
         [--reference test.en] [--output hyp.en] [--beam-size 4 --length-penalty 0.6]
+    python translate.py outputs/runs/<date>/<time>/checkpoints/step_*.pt --input test.de   # weights averaged
 
 Reads one sentence per line (plain or .gz); writes one translation per line (stdout without --output). With
 --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
@@ -25,7 +26,8 @@ from src.run import resolve_device
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint", help="a checkpoint written by train.py (checkpoints/best.pt or checkpoints/step_<N>.pt)")
+    p.add_argument("checkpoint", nargs="+", help="a checkpoint written by train.py (checkpoints/best.pt or "
+                   "checkpoints/step_<N>.pt), or several of one run: their weights are averaged")
     p.add_argument("--input", required=True, help="source sentences, one per line")
     p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
     p.add_argument("--output", help="where to write the translations (default: stdout)")

@@ -3,10 +3,12 @@ checkpoint can never run code when it is loaded."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .fileio import atomic_path
 
 
@@ -20,21 +22,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def load_translator(path: str | Path, device: torch.device, tokenizer_dir: str | Path | None = None):
-    """(model in eval mode, source codec, target codec, checkpoint) from a run's checkpoint. The tokenizer is
-    read from the run directory (``<run>/tokenizer`` beside ``<run>/checkpoints``) unless given."""
-    from .errors import UserError
+def load_translator(path: str | Path | Sequence[str | Path], device: torch.device,
+                    tokenizer_dir: str | Path | None = None):
+    """(model in eval mode, source codec, target codec, checkpoint) from a run's checkpoint, or from several of one
+    run with their weights averaged (the paper's last 5 checkpoints). The tokenizer is read from the run directory
+    (``<run>/tokenizer`` beside ``<run>/checkpoints``) unless given."""
     from .model import ModelArgs, Transformer
     from .tokenizers import load_codecs
 
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"{path}: checkpoint not found")
-    try:
-        ckpt = load_checkpoint(path, device)
-    except Exception as e:
-        raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else path.parent.parent / "tokenizer"
+    paths = [Path(p) for p in ([path] if isinstance(path, str | Path) else path)]
+    ckpt = read_checkpoint(paths[0], device)
+    if len(paths) > 1:
+        ckpt = dict(ckpt, model=average_weights(ckpt, paths[0], [(p, read_checkpoint(p, device)) for p in paths[1:]]))
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
         raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
     src_codec, tgt_codec = load_codecs(tokenizer_dir)
@@ -42,3 +42,25 @@ def load_translator(path: str | Path, device: torch.device, tokenizer_dir: str |
     model.load_state_dict(ckpt["model"])
     model.eval()
     return model, src_codec, tgt_codec, ckpt
+
+
+def read_checkpoint(path: Path, device: torch.device) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: checkpoint not found")
+    try:
+        return load_checkpoint(path, device)
+    except Exception as e:
+        raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def average_weights(first: dict, first_path: Path, others: list[tuple[Path, dict]]) -> dict:
+    """The mean of the checkpoints' model weights (floating-point tensors; the rest as in the first)."""
+    total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
+    for path, ckpt in others:
+        if ckpt["model_args"] != first["model_args"]:
+            raise UserError(f"{path}: another model than {first_path} (model_args differ); average checkpoints of one run")
+        for k, v in total.items():
+            if v.is_floating_point():
+                v += ckpt["model"][k]
+    n = 1 + len(others)
+    return {k: (v / n).to(first["model"][k].dtype) if v.is_floating_point() else v for k, v in total.items()}

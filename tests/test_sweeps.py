@@ -209,6 +209,7 @@ def test_paper_base_is_the_papers_recipe(tmp_path):
     assert cfg.data.max_tokens == 25000 and cfg.trainer.max_steps == 100_000 and cfg.memory.trim_vocab
     t = cfg.trainer  # section 6.1: beam size 4, length penalty 0.6, at most input length + 50
     assert (t.beam_size, t.length_penalty, t.max_len_a, t.max_len_b) == (4, 0.6, 1, 50)
+    assert t.keep_last == 5  # the last five checkpoints, for translate.py to average
 
 
 def test_memory_sweep_preset_sweeps_strategies_at_one_effective_batch(tmp_path):

@@ -61,6 +61,29 @@ def test_a_run_decoding_with_beams_scores_what_translate_py_writes_with_them(fas
     assert translate_test_set(cfg, tmp_path, "--beam-size", "3", "--length-penalty", "1.0") == hyps
 
 
+def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, capsys):
+    from src.checkpoint import load_checkpoint, load_translator, save_checkpoint
+
+    cfg = fast_cfg()
+    train(cfg)
+    steps = sorted((Path(cfg.paths.output_dir) / "checkpoints").glob("step_*.pt"))
+    assert len(steps) == 2
+    model, *_ = load_translator(steps, torch.device("cpu"))
+    weights = [load_checkpoint(p)["model"] for p in steps]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, (weights[0][name] + weights[1][name]) / 2)
+    assert not torch.equal(weights[0]["generator.weight"], weights[1]["generator.weight"])  # a real average
+    (tmp_path / "test.de").write_text("ein Mann\neine Frau\n")
+    assert translate.main([*map(str, steps), "--input", str(tmp_path / "test.de"), "--device", "cpu"]) == 0
+    assert len(capsys.readouterr().out.split("\n")) == 3  # two translations (empty ones too), each with its newline
+
+    other = load_checkpoint(steps[0])
+    other["model_args"]["d_ff"] += 1
+    save_checkpoint(tmp_path / "other.pt", **other)
+    assert translate.main([str(steps[0]), str(tmp_path / "other.pt"), "--input", str(tmp_path / "test.de")]) == 1
+    assert "other.pt: another model than" in capsys.readouterr().err
+
+
 def test_strategies_compose_in_one_run(fast_cfg):
     threads = torch.get_num_threads()
     summary = train(fast_cfg("memory=[amp,accum,truncate]", "memory.max_src_len=8", "memory.max_tgt_len=8",
