@@ -84,7 +84,7 @@ def greedy_decode(
     return out[:, :length]
 
 
-def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+def length_penalty(length: int, alpha: float) -> float:
     """GNMT's length normalization (Wu et al. 2016), which "Attention Is All You Need" decodes with (alpha 0.6):
     a hypothesis scores its log-probability divided by ((5 + length) / 6) ** alpha; alpha 0 is the plain sum."""
     return ((5 + length) / 6) ** alpha
@@ -102,11 +102,12 @@ def beam_search(
     alpha: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Beam-search translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
-    ``</s>``, and their scores (B,), as fairseq does it: each sentence keeps ``beam_size`` open hypotheses in the key/value cache; a
-    candidate ending in ``</s>`` among the best ``beam_size`` of a step is set aside as finished, and a sentence
-    is done once it has ``beam_size`` finished ones (or at ``max_len``, where its open ones count as they are).
-    The best finished hypothesis by ``log-probability / length_penalty(length, alpha)`` wins, its length counting
-    ``</s>``. Done sentences leave the batch. With ``beam_size`` 1 this is greedy decoding."""
+    ``</s>``, and their scores (B,), as fairseq does it. Each sentence keeps ``beam_size`` open hypotheses in the
+    key/value cache; a candidate ending in ``</s>`` among the best ``beam_size`` of a step is set aside as
+    finished, and a sentence is done once it has ``beam_size`` finished ones (or at ``max_len``, where its open
+    ones count as they are). The best finished hypothesis by ``log-probability / length_penalty(length, alpha)``
+    wins, its length counting ``</s>``. Done sentences leave the batch. With ``beam_size`` 1 this is greedy
+    decoding."""
     model.eval()
     k = beam_size
     src_mask = model.src_mask(src)
@@ -127,7 +128,7 @@ def beam_search(
         candidates = (scores.view(-1, 1) + logp).view(len(sent), k * vocab)
         # 2k candidates: at most k of them end (one per hypothesis), so k that go on remain.
         top, index = candidates.topk(min(2 * k, k * vocab), dim=-1)
-        parent = torch.arange(len(sent), device=device).unsqueeze(1) * k + index // vocab  # row extended
+        parent = torch.arange(len(sent), device=device).unsqueeze(1) * k + index // vocab  # the row it extends
         token = index % vocab
         ends = token == eos_id
         for i, j in (ends[:, :k] & top[:, :k].isfinite()).nonzero().tolist():  # only the best k may finish
@@ -151,10 +152,8 @@ def beam_search(
                 cache[key] = cache[key][rows]
         tokens = token.view(-1, 1)
     else:  # max_len reached: the open hypotheses count as they are
-        for i, s in enumerate(sent):
-            for j in range(k):
-                if scores[i, j].isfinite():
-                    finished[s].append((scores[i, j].item() / length_penalty(max_len, alpha), history[i * k + j].tolist()))
+        for (i, j), score in zip(scores.isfinite().nonzero().tolist(), scores[scores.isfinite()].tolist()):
+            finished[sent[i]].append((score / length_penalty(max_len, alpha), history[i * k + j].tolist()))
     best = [max(f, key=lambda h: h[0]) for f in finished]
     out = torch.full((batch, max(len(ids) for _, ids in best)), pad_id, dtype=torch.long, device=device)
     for i, (_, ids) in enumerate(best):

@@ -95,3 +95,12 @@ def test_enough_beams_find_the_best_translation_by_exhaustive_search(alpha):
         assert tuple(until_eos(found[row])) == best == (*s[:-1].flip(0).tolist(), EOS)
         assert abs(float(scores[row]) - scored[best]) < 1e-4  # scored while searching as the full pass scores it
     assert until_eos(greedy[2]) == [4, 3, EOS]  # greedy: the first word it wrote looked best, and was not
+
+
+def test_at_max_len_the_open_hypotheses_count_as_they_are(model):
+    """The first sentence's translation (five words and </s>) cannot end within 2 tokens: its best open
+    hypothesis is returned, scored with its 2 tokens."""
+    out, scores = beam_search(model, SRC[:1], BOS, EOS, PAD, max_len=2, beam_size=4, alpha=0.6)
+    ids = out[0].tolist()
+    assert len(ids) == 2 and EOS not in ids
+    assert abs(float(scores[0]) - log_probs(model, SRC[0], [ids])[0] / length_penalty(2, 0.6)) < 1e-4
