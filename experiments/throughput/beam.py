@@ -25,7 +25,7 @@ from src.evaluate import score, translate  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", nargs="+", help="a checkpoint, or several of one run to average")
     p.add_argument("--input", required=True)
     p.add_argument("--reference", required=True)
     p.add_argument("--settings", nargs="*", default=["1:0", "4:0.6", "4:0", "8:0.6"])
@@ -33,7 +33,8 @@ def main() -> None:
     args = p.parse_args()
     model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, torch.device("cpu"), None)
     sources, references = read_lines(args.input), read_lines(args.reference)
-    print(f"{args.checkpoint}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    names = " ".join(args.checkpoint)
+    print(f"{names}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| beams | length penalty | BLEU | chrF | decoding (s) |\n|---|---|---|---|---|")
     for setting in args.settings:
         beams, alpha = setting.split(":")
