@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam-size", type=int, default=1, help="1: greedy decoding (what training scores with by default)")
     p.add_argument("--length-penalty", type=float, default=0.6, help="with beams: GNMT's alpha (0: none)")
     args = p.parse_args(argv)
+    if args.beam_size < 1:
+        p.error(f"--beam-size {args.beam_size}: must be >= 1")
+    if args.length_penalty < 0:
+        p.error(f"--length-penalty {args.length_penalty}: must be >= 0 (0: no length penalty)")
     try:
         device = resolve_device(args.device)
         model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, device, args.tokenizer)
