@@ -31,9 +31,10 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .tokenizers import load_codecs
 
     paths = [Path(p) for p in ([path] if isinstance(path, str | Path) else path)]
-    ckpt = read_checkpoint(paths[0], device)
-    if len(paths) > 1:
-        ckpt = dict(ckpt, model=average_weights(ckpt, paths[0], [(p, read_checkpoint(p, device)) for p in paths[1:]]))
+    checkpoints = [(p, read_checkpoint(p, device)) for p in paths]
+    ckpt = checkpoints[0][1]
+    if len(checkpoints) > 1:
+        ckpt = dict(ckpt, model=average_weights(checkpoints))
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
         raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
@@ -53,8 +54,9 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
         raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
-def average_weights(first: dict, first_path: Path, others: list[tuple[Path, dict]]) -> dict:
+def average_weights(checkpoints: list[tuple[Path, dict]]) -> dict:
     """The mean of the checkpoints' model weights (floating-point tensors; the rest as in the first)."""
+    (first_path, first), others = checkpoints[0], checkpoints[1:]
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     for path, ckpt in others:
         if ckpt["model_args"] != first["model_args"]:
@@ -62,5 +64,5 @@ def average_weights(first: dict, first_path: Path, others: list[tuple[Path, dict
         for k, v in total.items():
             if v.is_floating_point():
                 v += ckpt["model"][k]
-    n = 1 + len(others)
-    return {k: (v / n).to(first["model"][k].dtype) if v.is_floating_point() else v for k, v in total.items()}
+    return {k: (v / len(checkpoints)).to(first["model"][k].dtype) if v.is_floating_point() else v
+            for k, v in total.items()}
