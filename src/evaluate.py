@@ -77,9 +77,7 @@ def greedy_decode(
             if not bool(running.any()):
                 break
             active, memory, src_mask, next_tok = active[running], memory[running], src_mask[running], next_tok[running]
-            for cache in caches:
-                for key in cache:
-                    cache[key] = cache[key][running]
+            model.reorder_cache(caches, running, running)
         tokens = next_tok.unsqueeze(1)
     return out[:, :length]
 
@@ -114,7 +112,7 @@ def beam_search(
     memory = model.encode(src, src_mask)
     batch, device = src.size(0), src.device
     # Rows are (sentence, beam) pairs, k per sentence; ``sent`` holds the sentences still open, by index in ``src``.
-    memory, src_mask = memory.repeat_interleave(k, dim=0), src_mask.repeat_interleave(k, dim=0)
+    # ``memory`` and the encoder keys and values keep one row per open sentence, shared by its k hypotheses.
     sent = list(range(batch))
     scores = torch.full((batch, k), float("-inf"), device=device)
     scores[:, 0] = 0.0  # one hypothesis to start from, so the first step does not pick k copies of the best token
@@ -123,7 +121,7 @@ def beam_search(
     caches: list[dict] = [{} for _ in model.decoder]
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]  # (normalized score, ids)
     for step in range(max_len):
-        logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches).float(), dim=-1)
+        logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches, k).float(), dim=-1)
         vocab = logp.size(-1)
         candidates = (scores.view(-1, 1) + logp).view(len(sent), k * vocab)
         # 2k candidates: at most k of them end (one per hypothesis), so k that go on remain.
@@ -139,17 +137,15 @@ def beam_search(
         still_open = [len(finished[s]) < k for s in sent]
         if not any(still_open):
             break
+        keep = None
         if not all(still_open):  # done sentences leave the batch
             keep = torch.tensor(still_open, device=device)
             sent = [s for s, o in zip(sent, still_open) if o]
             scores, parent, token = scores[keep], parent[keep], token[keep]
-            memory = memory.view(-1, k, *memory.shape[1:])[keep].flatten(0, 1)
-            src_mask = src_mask.view(-1, k, *src_mask.shape[1:])[keep].flatten(0, 1)
+            memory, src_mask = memory[keep], src_mask[keep]
         rows = parent.view(-1)
         history = torch.cat([history[rows], token.view(-1, 1)], dim=1)
-        for cache in caches:
-            for key in cache:
-                cache[key] = cache[key][rows]
+        model.reorder_cache(caches, rows, keep)
         tokens = token.view(-1, 1)
     else:  # max_len reached: the open hypotheses count as they are
         for (i, j), score in zip(scores.isfinite().nonzero().tolist(), scores[scores.isfinite()].tolist()):

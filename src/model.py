@@ -2,7 +2,8 @@
 
 Batch-first throughout. Attention goes through ``F.scaled_dot_product_attention`` so PyTorch picks the
 fastest kernel it has for the device. Masks are boolean and mean "may attend" (SDPA's convention).
-Incremental decoding keeps a key/value cache per layer, so greedy decoding costs one new position per step.
+Incremental decoding keeps a key/value cache per layer, so greedy decoding costs one new position per step; in
+beam search the hypotheses of a sentence share its encoder keys and values.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class DecoderLayer(nn.Module):
         y = self.res_cross(y, lambda h: self.cross_attn(h, memory, src_mask))
         return self.res_ff(y, self.ff)
 
-    def step(self, y: Tensor, memory: Tensor, src_mask: Tensor, cache: dict) -> Tensor:
-        """One new target position ``y`` (B, 1, D), reusing the cached keys and values."""
+    def step(self, y: Tensor, memory: Tensor, src_mask: Tensor, cache: dict, beams: int = 1) -> Tensor:
+        """One new target position ``y`` (B * beams, 1, D), reusing the cached keys and values; ``memory`` and
+        ``src_mask`` hold one row per sentence, whose ``beams`` hypotheses are consecutive rows of ``y``."""
 
         def self_attn(h: Tensor) -> Tensor:
             attn = self.self_attn
@@ -173,7 +175,8 @@ class DecoderLayer(nn.Module):
             if "mem_k" not in cache:  # the encoder output does not change while decoding
                 cache["mem_k"] = attn.split_heads(attn.k_proj(memory))
                 cache["mem_v"] = attn.split_heads(attn.v_proj(memory))
-            return attn.attend(attn.split_heads(attn.q_proj(h)), cache["mem_k"], cache["mem_v"], src_mask)
+            q = attn.split_heads(attn.q_proj(h.reshape(-1, beams, h.size(-1))))  # a sentence's beams: its queries
+            return attn.attend(q, cache["mem_k"], cache["mem_v"], src_mask).view_as(h)
 
         y = self.res_self(y, self_attn)
         y = self.res_cross(y, cross_attn)
@@ -278,13 +281,28 @@ class Transformer(nn.Module):
         """Logits (B, T, vocabulary)."""
         return self.generator(self.hidden(src, tgt_in))
 
-    def decode_step(self, memory: Tensor, src_mask: Tensor, tokens: Tensor, caches: list[dict]) -> Tensor:
-        """Logits for the next position given the newest tokens (B, 1) and the per-layer caches."""
+    def decode_step(
+        self, memory: Tensor, src_mask: Tensor, tokens: Tensor, caches: list[dict], beams: int = 1
+    ) -> Tensor:
+        """Logits for the next position given the newest tokens (B * beams, 1) and the per-layer caches. With
+        ``beams`` > 1, each sentence of ``memory`` (B, S, D) has that many consecutive rows of hypotheses, which
+        attend to its encoder keys and values together: these are computed and cached once per sentence."""
         position = caches[0]["k"].size(2) if caches and "k" in caches[0] else 0
         y = self.tgt_embed(tokens, offset=position)
         for layer, cache in zip(self.decoder, caches):
-            y = layer.step(y, memory, src_mask, cache)
+            y = layer.step(y, memory, src_mask, cache, beams)
         return self.generator(self.dec_norm(y))[:, -1]
+
+    @staticmethod
+    def reorder_cache(caches: list[dict], rows: Tensor, sentences: Tensor | None = None) -> None:
+        """Select and reorder the decoding caches in place: the self-attention keys and values by hypothesis
+        (``rows``), the encoder keys and values by sentence (``sentences``; None leaves them as they are)."""
+        for cache in caches:
+            for key in ("k", "v"):
+                cache[key] = cache[key][rows]
+            if sentences is not None:
+                for key in ("mem_k", "mem_v"):
+                    cache[key] = cache[key][sentences]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # shared tensors are counted once

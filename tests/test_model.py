@@ -57,6 +57,21 @@ def test_kv_cache_decoding_equals_the_full_forward_pass():
             assert torch.equal(hyp[row, :n], expected[row, :n])
 
 
+def test_beams_of_a_sentence_share_its_encoder_keys_and_give_the_full_pass_of_each_hypothesis():
+    """decode_step with ``beams``: three hypotheses per sentence, different targets, read one copy of their
+    sentence's encoder keys and values and get the logits the full pass gives each (sentence, target) pair."""
+    model = tiny()
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
+    tgt = torch.tensor([[0, 11, 12, 13], [0, 14, 15, 16], [0, 17, 18, 19]] * 2)  # (sentence, beam) rows
+    full = model(src.repeat_interleave(3, dim=0), tgt)
+    mask = model.src_mask(src)
+    memory = model.encode(src, mask)
+    caches = [{} for _ in model.decoder]
+    steps = [model.decode_step(memory, mask, tgt[:, t : t + 1], caches, beams=3) for t in range(tgt.size(1))]
+    torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-5, atol=1e-5)
+    assert caches[0]["mem_k"].size(0) == 2 and caches[0]["k"].size(0) == 6
+
+
 def test_tied_and_shared_embeddings():
     model = tiny(tie_embeddings=True)
     assert model.generator.weight is model.tgt_embed.tokens.weight
