@@ -147,6 +147,19 @@ def test_fp16_on_the_cpu_warns_to_use_bf16(caplog):
                for r in caplog.records)
 
 
+@pytest.mark.parametrize("onednn_bf16", [False, True])
+def test_bf16_on_a_cpu_without_avx512_warns_that_it_is_slow_there(caplog, monkeypatch, onednn_bf16):
+    import logging
+
+    from src.memory import MemoryStrategy
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    with caplog.at_level(logging.WARNING):
+        MemoryStrategy(amp="bf16").check_device(torch.device("cpu"))
+    warned = [r for r in caplog.records if r.message.startswith("memory.amp=bf16 on a CPU without AVX-512: it runs")]
+    assert len(warned) == (0 if onednn_bf16 else 1)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
 def test_a_gpu_where_there_is_none(fast_cfg):
     with pytest.raises(UserError, match=r"^trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
@@ -165,7 +178,8 @@ def test_the_docs_table_lists_every_case_tried():
     rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ") and not line.startswith("| input")]
     documented = {row.split(" | ")[0].removeprefix("| ").strip() for row in rows}
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
-                                                           "fp16 on the CPU", "a GPU where there is none"}
+                                                           "fp16 on the CPU", "bf16 on a CPU without AVX-512",
+                                                           "a GPU where there is none"}
     assert documented == tried
     assert len(tried) >= 12
     text = DOC.read_text()
