@@ -80,24 +80,25 @@ def _mostly(cases: Iterable[tuple[str, bool]]) -> set[str]:
     return {token for token, (yes, n) in counts.items() if n >= 3 and yes * 2 > n}
 
 
-def learn_glue(docs: Sequence[Sequence[tuple[str, bool]]]) -> tuple[set[str], set[str], set[str]]:
-    """Detokenization rules from tokenized lines of ``(token, followed by a space)``: the tokens that attach to
-    the previous token ("," "." ")"), those that attach to the next ("(" "l'"), and those that alternate, opening
-    then closing within a line (straight quotes: ``a "bath" in``). Rare tokens keep their spaces."""
+def learn_glue(docs: Sequence[tuple[Sequence[str], bytes]]) -> tuple[set[str], set[str], set[str]]:
+    """Detokenization rules from tokenized lines, each as ``(tokens, whether each is followed by a space)``: the
+    tokens that attach to the previous token ("," "." ")"), those that attach to the next ("(" "l'"), and those that
+    alternate, opening then closing within a line (straight quotes: ``a "bath" in``). Rare tokens keep their
+    spaces."""
 
     def quote_cases(opening: bool) -> Iterator[tuple[str, bool]]:
         """(token, behaves as an opening / a closing quote) for its odd / even occurrences in each line."""
-        for doc in docs:
+        for tokens, spaces in docs:
             seen: Counter[str] = Counter()
-            for i, (text, space) in enumerate(doc):
+            for i, text in enumerate(tokens):
                 seen[text] += 1
                 if seen[text] % 2 == opening:
-                    before = i > 0 and not doc[i - 1][1]  # attached to the previous token
-                    after = i + 1 < len(doc) and not space  # attached to the next token
+                    before = i > 0 and not spaces[i - 1]  # attached to the previous token
+                    after = i + 1 < len(tokens) and not spaces[i]  # attached to the next token
                     yield text, (after and not before) if opening else (before and not after)
 
     def gaps() -> Iterator[tuple[str, str, bool]]:
-        return ((a, b, not space) for doc in docs for (a, space), (b, _) in zip(doc, doc[1:]))
+        return ((a, b, not space) for tokens, spaces in docs for a, b, space in zip(tokens, tokens[1:], spaces))
 
     def left(explained: set[str]) -> set[str]:
         return _mostly((b, glued) for a, b, glued in gaps() if a not in explained)
@@ -146,6 +147,18 @@ class SpacyCodec(Codec):
         texts = [t.lower() for t in texts] if self.lowercase else texts
         return self.tokenizer.pipe(texts, batch_size=1000)
 
+    def token_lines(self, texts: Sequence[str]) -> Iterator[tuple[tuple[str, ...], bytes]]:
+        """Each text as (its tokens, whether each is followed by a space), one str object per distinct token: a
+        training split held this way takes a few MB, where a (str, bool) pair per token took 43 MB for Multi30k's
+        German, and the process kept that memory after it was freed (its small blocks lay among the vocabulary's)."""
+        distinct: dict[str, str] = {}
+        for doc in self.tokenize_docs(texts):
+            tokens = []
+            for t in doc:
+                text = t.text
+                tokens.append(distinct.setdefault(text, text))
+            yield tuple(tokens), bytes(bool(t.whitespace_) for t in doc)
+
     def tokenize(self, texts: Sequence[str]) -> list[list[str]]:
         return [[t.text for t in doc] for doc in self.tokenize_docs(texts)]
 
@@ -162,9 +175,8 @@ class SpacyCodec(Codec):
         """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more,
         most frequent first (ties alphabetical), at most ``max_size`` including the specials."""
         codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
-        # (text, followed by a space) per token
-        docs = [[(t.text, bool(t.whitespace_)) for t in doc] for doc in codec.tokenize_docs(texts)]
-        counts = Counter(text for doc in docs for text, _ in doc)
+        docs = list(codec.token_lines(texts))
+        counts = Counter(text for tokens, _ in docs for text in tokens)
         words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(SPECIALS))]
@@ -178,7 +190,7 @@ class SpacyCodec(Codec):
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         unk, stoi = self.unk_id, self.stoi
-        return [[stoi.get(tok, unk) for tok in doc] for doc in self.tokenize(texts)]
+        return [[stoi.get(t.text, unk) for t in doc] for doc in self.tokenize_docs(texts)]
 
     def detokenize(self, tokens: Sequence[str]) -> str:
         out: list[str] = []

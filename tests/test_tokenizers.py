@@ -39,6 +39,17 @@ def test_detokenization_is_learned_from_the_training_text():
     assert codec.decode([codec.bos_id, *ids, codec.eos_id, codec.pad_id, 7]) == "Ein Mann wartet."
 
 
+def test_training_lines_hold_one_string_per_distinct_token():
+    """The vocabulary is learned from lines held as shared token strings and space flags, not a (str, bool) pair
+    per token: the same word in two lines is the same object, and the spaces are those of the text."""
+    lines = list(SpacyCodec("de", list(SPECIALS)).token_lines(TEXT))
+    tokens, spaces = lines[1]
+    assert tokens == ("Zwei", "Hunde", "spielen", ",", "und", "ein", "Kind", "lacht", ".")
+    assert list(spaces) == [1, 1, 0, 1, 1, 1, 1, 0, 0]
+    mann = [t for toks, _ in lines for t in toks if t == "Mann"]
+    assert len(mann) == 3 and all(t is mann[0] for t in mann)
+
+
 def test_detokenization_credits_each_space_to_the_token_that_explains_it():
     """French elision and straight quotes: "air" follows "l'" without a space more often than not here, yet it is
     "l'" that glues (so "plein air" keeps its space); a straight quote glues right when it opens and left when it
