@@ -192,13 +192,15 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm,
                       world, net)
 
-    def batch() -> Batch:
-        b, s, t = shape.pairs, shape.src_len, shape.tgt_len
+    def batch(b: int, s: int, t: int) -> Batch:
         src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
         return Batch(src, tgt_in, tgt_out, b * s, b * t)
 
-    micro = [batch() for _ in range(shape.accum_steps)]
-    trainer.step(micro)
+    micro = [batch(shape.pairs, shape.src_len, shape.tgt_len) for _ in range(shape.accum_steps)]
+    # The first step creates Adam's state. On the CPU the tracker counts tensors, not a cache, so a one-token batch
+    # does that at no cost (a model=base bf16 step takes a minute on a CPU without bf16 kernels); CUDA's caching
+    # allocator is warmed with the measured batch itself.
+    trainer.step(micro if device.type == "cuda" else [batch(1, 1, 1)])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
