@@ -143,9 +143,13 @@ class SpacyCodec(Codec):
             self._tokenizer = spacy_tokenizer(self.lang, self.model)
         return self._tokenizer
 
-    def tokenize_docs(self, texts: Sequence[str]):
+    def tokenize_docs(self, texts: Sequence[str]) -> Iterator[list]:
+        """Each text as its spaCy tokens, without the whitespace tokens spaCy makes of runs of spaces (a double
+        space in 88 lines of Multi30k's German training text): words are what is separated by whitespace, as for
+        the trainers that read spaCy-tokenized text split on spaces."""
         texts = [t.lower() for t in texts] if self.lowercase else texts
-        return self.tokenizer.pipe(texts, batch_size=1000)
+        for doc in self.tokenizer.pipe(texts, batch_size=1000):
+            yield [t for t in doc if not t.is_space]
 
     def token_lines(self, texts: Sequence[str]) -> Iterator[tuple[tuple[str, ...], bytes]]:
         """Each text as (its tokens, whether each is followed by a space), one str object per distinct token: a

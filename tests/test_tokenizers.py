@@ -50,6 +50,19 @@ def test_training_lines_hold_one_string_per_distinct_token():
     assert len(mann) == 3 and all(t is mann[0] for t in mann)
 
 
+def test_runs_of_spaces_make_no_tokens():
+    """spaCy makes a token of the extra spaces in "Hund  und" (and of a no-break space); words are what spaces
+    separate, so neither reaches the vocabulary, the encoded ids or the detokenization rules (Multi30k's issue
+    table counts 8,012 German words with min_freq 2, not 8,014)."""
+    text = ["Ein Hund  und ein Kind .", "\u00a0Ein Hund und  ein Kind .", "Ein Hund und ein Kind . "]
+    codec = SpacyCodec.build(text, "de")
+    assert list(codec.tokenize(text)) == [["Ein", "Hund", "und", "ein", "Kind", "."]] * 3
+    assert not any(w.isspace() for w in codec.itos)
+    assert codec.encode(text)[0] == codec.encode(text)[1] == codec.encode(text)[2]
+    assert [list(spaces) for _, spaces in codec.token_lines(text[:1])] == [[1, 1, 1, 1, 1, 0]]
+    assert codec.decode(codec.encode(text)[1]) == "Ein Hund und ein Kind ."
+
+
 def test_detokenization_credits_each_space_to_the_token_that_explains_it():
     """French elision and straight quotes: "air" follows "l'" without a space more often than not here, yet it is
     "l'" that glues (so "plein air" keeps its space); a straight quote glues right when it opens and left when it
@@ -113,9 +126,10 @@ def test_unknown_spacy_pipeline_says_how_to_fix():
 @pytest.mark.parametrize("lang", ["en", "fr"])
 def test_multi30k_references_come_back_from_tokens_as_they_were(lang):
     """Rules learned from the real training split join the tokens of the real validation references back into
-    the same text, but for typos in the references themselves (the code before these rules: en 3, fr 55 lines)."""
+    the same text, but for typos in the references themselves (the code before these rules: en 3, fr 55 lines).
+    A run of spaces reads as one (three French references have a double space)."""
     root = multi30k_root()
     codec = SpacyCodec.build(read_lines(root / f"train.{lang}.gz"), lang, min_freq=2)
     references = read_lines(root / f"val.{lang}.gz")
     joined = [codec.detokenize(tokens) for tokens in codec.tokenize(references)]
-    assert sum(r.strip() != j.strip() for r, j in zip(references, joined)) <= 1
+    assert sum(r.split() != j.split() for r, j in zip(references, joined)) <= 1
