@@ -209,6 +209,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.device_type = device_type
         self.live = 0
         self.peak = 0
+        self.at_start = 0  # the live bytes when a step began (set by tracked_step)
         self.category = "activations"
         self.live_by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_by_category = dict(self.live_by_category)
@@ -305,13 +306,15 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list:
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
                  marks: dict[str, int] | None = None) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters and the optimizer's state
-    (call it after a first step has created Adam's moments): the tracker, with the step's peak and its split.
+    (call it after a first step has created Adam's moments): the tracker, with the step's peak and its split, and
+    ``at_start``, the bytes live when the step began.
     ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch."""
     tracker = TensorMemoryTracker(device_type)
     if marks is not None:
         trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
     tracker.watch(trainer.model)
     tracker.track(optimizer_state(trainer.optimizer), category="optimizer")
+    tracker.at_start = tracker.live  # what the step starts from: parameters and optimizer state
     with tracker:
         trainer.step(micro_batches)
     tracker.unwatch()

@@ -28,10 +28,15 @@ from .helpers import run_cli
 
 @pytest.mark.parametrize("name,dims,vocab,strategy,shape", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
 def test_planner_matches_a_real_step_within_10_percent(name, dims, vocab, strategy, shape):
+    """Within 10% of what the step itself adds above the parameters and Adam's state: a stricter check than 10% of
+    the peak, which those two fill for the most part (1,986 of the 3,619 MiB of model=base with XLM-R's vocabulary,
+    604 of 864 MiB of model=base on 2 pairs of 128 tokens)."""
     args = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
     est = estimate_step(args, strategy, shape)
-    real = measure_step(args, strategy, shape, torch.device("cpu"))["peak"]
-    assert abs(est.peak_bytes - real) <= 0.10 * real, (name, est.peak_bytes / 2**20, real / 2**20)
+    real = measure_step(args, strategy, shape, torch.device("cpu"))
+    added = real["peak"] - real["at_start"]
+    assert added > 0
+    assert abs(est.peak_bytes - real["peak"]) <= 0.10 * added, (name, est.peak_mb, real["peak"] / 2**20, added / 2**20)
     assert sum(est.by_category.values()) == est.peak_bytes
     assert est.forward_delta > 0
 
@@ -53,7 +58,7 @@ def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cp
     # kernels keep what the CPU's fused kernel keeps when attention has no dropout. That kernel's real step is
     # what the CUDA plan must match; planned as the CPU runs it, the same step is over 10% larger here.
     shape = StepShape(4, 200, 200)
-    common = dict(src_vocab=8014, tgt_vocab=6191, pad_id=1, **SMALL)
+    common = dict(src_vocab=8012, tgt_vocab=6190, pad_id=1, **SMALL)
     dropped, plain = ModelArgs(**common, attention_dropout=0.1), ModelArgs(**common, attention_dropout=0.0)
     for strategy in (MemoryStrategy(), MemoryStrategy(amp="bf16")):
         fused_real = measure_step(plain, strategy, shape, torch.device("cpu"))["peak"]
