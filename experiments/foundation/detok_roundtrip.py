@@ -32,7 +32,8 @@ def main() -> None:
         for split in ("val", "test_2016_flickr"):
             references = read_lines(Path(args.root) / f"{split}.{lang}.gz")
             joined = [codec.detokenize(tokens) for tokens in codec.tokenize(references)]
-            changed = [(r, j) for r, j in zip(references, joined) if r.strip() != j.strip()]  # spaces at the ends do not score
+            # how many spaces separate two words does not score (nor spaces at the ends)
+            changed = [(r, j) for r, j in zip(references, joined) if r.split() != j.split()]
             bleu = sacrebleu.corpus_bleu(joined, [references]).score
             print(f"| {lang} | {split} | {len(changed)} of {len(references)} | {bleu:.2f} |")
             for ref, got in changed[: args.show]:
