@@ -58,9 +58,10 @@ def test_runs_of_spaces_make_no_tokens():
     codec = SpacyCodec.build(text, "de")
     assert list(codec.tokenize(text)) == [["Ein", "Hund", "und", "ein", "Kind", "."]] * 3
     assert not any(w.isspace() for w in codec.itos)
-    assert codec.encode(text)[0] == codec.encode(text)[1] == codec.encode(text)[2]
+    ids = codec.encode(text)
+    assert ids[0] == ids[1] == ids[2]
     assert [list(spaces) for _, spaces in codec.token_lines(text[:1])] == [[1, 1, 1, 1, 1, 0]]
-    assert codec.decode(codec.encode(text)[1]) == "Ein Hund und ein Kind ."
+    assert codec.decode(ids[1]) == "Ein Hund und ein Kind ."
 
 
 def test_detokenization_credits_each_space_to_the_token_that_explains_it():
