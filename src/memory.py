@@ -303,6 +303,17 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list:
     return [t for state in optimizer.state.values() for t in state.values()]
 
 
+def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer its per-parameter state (Adam's step and moments), as every step after the first has it,
+    without a forward and backward pass: one step on zero gradients, which moves no parameter (Adam's first moment
+    is zero)."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
                  marks: dict[str, int] | None = None) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters and the optimizer's state

@@ -30,7 +30,7 @@ from .helpers import run_cli
 def test_planner_matches_a_real_step_within_10_percent(name, dims, vocab, strategy, shape):
     """Within 10% of what the step itself adds above the parameters and Adam's state: a stricter check than 10% of
     the peak, which those two fill for the most part (1,986 of the 3,619 MiB of model=base with XLM-R's vocabulary,
-    604 of 864 MiB of model=base on 2 pairs of 128 tokens)."""
+    604 of 851 MiB of model=base on 1 pair of 200 tokens)."""
     args = ModelArgs(src_vocab=vocab[0], tgt_vocab=vocab[1], pad_id=1, share_vocab=vocab[2], **dims)
     est = estimate_step(args, strategy, shape)
     real = measure_step(args, strategy, shape, torch.device("cpu"))
@@ -122,11 +122,54 @@ def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path):
                                    run_dir=tmp_path / "auto", cache_dir=tmp_path / "cache"))
     auto = summary["auto"]
     assert auto["tried"][0]["strategy"] == "auto(none)" and auto["tried"][0]["estimate_mb"] > budget_gb * 1024
+    assert all(t["estimate_mb"] > auto["usable_mb"] for t in auto["tried"][:-1])  # every setting before the choice
+    assert auto["tried"][-1] == {"strategy": auto["chosen"], "accum_steps": auto["accum_steps"],
+                                 "pairs": auto["worst_case"]["pairs"], "estimate_mb": auto["estimate_mb"]}
     assert auto["estimate_mb"] <= auto["usable_mb"] <= budget_gb * 1024
     assert summary["strategy"] == auto["chosen"] != "auto(none)"
     assert summary["peak_memory_mb"] <= budget_gb * 1024  # the real run's tracked peak stays under the budget
     assert summary["batch_size"] == plain["batch_size"]  # the effective batch is what the config asked for
     assert summary["tgt_tokens"] == plain["tgt_tokens"]
+
+
+def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(monkeypatch):
+    """Equivalence with the exhaustive search, on a made-up estimator (memory falls with pairs per micro-batch, and
+    each stage needs less than the one before): every stage, every doubling of accumulation, the first that fits."""
+    from src import planner
+    from src.errors import ConfigError
+
+    def estimate(args, strategy, shape, *rest, **kw):
+        fixed, per_pair = {"": (40, 9), "amp": (44, 6), "amp+checkpoint": (46, 2)}[
+            "+".join(n for n, on in (("amp", strategy.amp), ("checkpoint", strategy.checkpoint)) if on)]
+        return planner.Estimate((fixed + per_pair * shape.pairs) * MiB, {}, 1, 0, 0, shape, 0.0)
+
+    def exhaustive(budget, base):
+        for extra in ({}, {"amp": "bf16"}, {"amp": "bf16", "checkpoint": True}):
+            accum = base.accum_steps
+            while True:
+                shape = worst_case_shape(40, 30, 24, None, accum)
+                if estimate(None, MemoryStrategy(**extra), shape).peak_bytes <= budget:
+                    return extra.get("amp"), extra.get("checkpoint", False), shape
+                if shape.pairs == 1:
+                    break
+                accum = shape.accum_steps * 2
+
+    MiB = 2**20
+    monkeypatch.setattr(planner, "estimate_step", estimate)
+    for base in (MemoryStrategy(budget_gb=1.0), MemoryStrategy(budget_gb=1.0, accum_steps=3)):
+        passed_over = 0
+        for budget_mb in range(39, 260, 3):
+            expected = exhaustive(budget_mb * MiB, base)
+            if expected is None:
+                with pytest.raises(ConfigError, match="no setting fits; the smallest, auto.amp.accum.checkpoint. "
+                                                      "with micro-batches of one pair, needs an estimated 48 MiB"):
+                    planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB)
+                continue
+            chosen, est, tried = planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB)
+            assert (chosen.amp, chosen.checkpoint, est.shape) == expected
+            assert [t["estimate_mb"] > budget_mb for t in tried] == [True] * (len(tried) - 1) + [False]
+            passed_over += sum(t["pairs"] == 1 for t in tried[:-1])
+        assert passed_over > 0  # some budgets did pass over a whole stage after its one-pair setting
 
 
 def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
