@@ -56,8 +56,8 @@ def test_planner_for_model_base_takes_seconds():
 def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cpu_shows():
     # With dropout on the attention weights the CPU attends with matrix products and keeps the weights; CUDA's fused
     # kernels keep what the CPU's fused kernel keeps when attention has no dropout. That kernel's real step is
-    # what the CUDA plan must match; planned as the CPU runs it, the same step is over 10% larger here.
-    shape = StepShape(4, 200, 200)
+    # what the CUDA plan must match; planned as the CPU runs it, the same step is over 10% larger here (20-23%).
+    shape = StepShape(2, 200, 200)
     common = dict(src_vocab=8012, tgt_vocab=6190, pad_id=1, **SMALL)
     dropped, plain = ModelArgs(**common, attention_dropout=0.1), ModelArgs(**common, attention_dropout=0.0)
     for strategy in (MemoryStrategy(), MemoryStrategy(amp="bf16")):
