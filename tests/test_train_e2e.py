@@ -121,7 +121,8 @@ def test_training_learns_to_translate(fast_cfg):
     common = ["data.train_size=3000", "data.valid_size=100", "data.test_size=100", "data.batch_size=64",
               "optim.lr=2e-3", "optim.warmup_steps=50"]
     untrained = train(fast_cfg(*common, "trainer.max_steps=1", "trainer.eval_every=1"))
-    trained = train(fast_cfg(*common, "trainer.max_steps=300", "trainer.eval_every=300", "trainer.log_every=50",
+    # 200 steps score 43.07 here (Intel Xeon, 2026-12-01); 150 steps 29.26, 300 steps 69.75
+    trained = train(fast_cfg(*common, "trainer.max_steps=200", "trainer.eval_every=200", "trainer.log_every=50",
                                "trainer.resume=never"))  # the same run directory: start over
     assert untrained["test_bleu"] < 2
     assert trained["test_bleu"] > 25, trained
