@@ -210,7 +210,15 @@ class Trainer:
     def compile(self) -> None:
         """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since
         token batches change length every step); backward and the optimizer step stay as they are. The CPU's
-        tensor tracker sees eager operations only, so the run turns it off (src/run.py)."""
+        tensor tracker sees eager operations only, so the run turns it off (src/run.py).
+
+        On the CPU the vector width is set explicitly, which puts it into Inductor's FX graph cache key (torch 2.13
+        leaves it out): a graph cached on a CPU of another width, or under another ``ATEN_CPU_CAPABILITY``, would
+        otherwise be built for this one's, with NaN losses or kernels that overrun their buffers."""
+        if self.device.type == "cpu":
+            from torch._inductor import config, cpu_vec_isa
+
+            config.cpp.simdlen = cpu_vec_isa.pick_vec_isa().bit_width()
         self.net.compile(dynamic=True)
 
     def step(self, micro_batches: list[Batch], step_tgt_tokens: int | None = None, real: bool = True) -> StepStats:

@@ -201,4 +201,8 @@ def test_compiled_step_gives_the_eager_update(one_batch_update):
     trainer.step(mbs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
     assert rel_update_diff(updates(start, model), reference) < 1e-4
+    # the vector width is in Inductor's cache key: graphs cached under another width are not reused here
+    from torch._inductor import config, cpu_vec_isa
+
+    assert config.cpp.simdlen == cpu_vec_isa.pick_vec_isa().bit_width() > 0
     torch._dynamo.reset()
