@@ -193,11 +193,12 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm,
                       world, net)
 
-    def batch(b: int, s: int, t: int) -> Batch:
+    def batch() -> Batch:
+        b, s, t = shape.pairs, shape.src_len, shape.tgt_len
         src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
         return Batch(src, tgt_in, tgt_out, b * s, b * t)
 
-    micro = [batch(shape.pairs, shape.src_len, shape.tgt_len) for _ in range(shape.accum_steps)]
+    micro = [batch() for _ in range(shape.accum_steps)]
     # Adam's state, as every step after the first has it. On CUDA a first step of the measured batch creates it and
     # warms the caching allocator; the CPU's tracker counts tensors, not a cache, so there it is created without a
     # forward and backward pass (a model=base bf16 step takes a minute on a CPU without bf16 kernels).
