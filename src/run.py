@@ -296,6 +296,8 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
     corpus = load_corpus(conf["data"], cache_dir, download_ok)
     encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
+    if encoded.encode_peak_rss_mb is not None:
+        info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
     if strategy.trim_vocab:
         full = encoded
         encoded = trim_vocabulary(encoded)

@@ -3,6 +3,8 @@
 import gzip
 import hashlib
 import http.server
+import os
+import sys
 import threading
 import time
 from functools import partial
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from src.data import corpus as corpus_mod
+from src.data import encode as encode_mod
 from src.data.corpus import (
     MULTI30K_SHA256,
     download,
@@ -22,7 +25,7 @@ from src.data.corpus import (
 )
 from src.data.encode import PackedSequences, encode_corpus
 from src.data.synthetic import LengthDistribution
-from src.errors import DataError
+from src.errors import ConfigError, DataError
 
 from .conftest import multi30k_root
 
@@ -238,6 +241,56 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     monkeypatch.undo()
     other = encode_corpus(corpus, {"name": "spacy", "min_freq": 2}, tmp_path)
     assert not other.from_cache and other.cache_file != first.cache_file
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spaCy tokenizes in a forked child on Linux only")
+def test_spacy_tokenizes_in_a_child_process_and_gives_what_tokenizing_here_gives(tmp_path, monkeypatch):
+    """The run's process never builds a spaCy tokenizer (so never holds its memory); the token ids and codecs that
+    come back from the child are those of tokenizing in this process."""
+    corpus = load_synthetic("de", "en", {"train": 200, "valid": 10, "test": 10}, 1, LengthDistribution())
+    spec = {"name": "spacy", "min_freq": 2}
+    built_in = tmp_path / "pids"
+    real = encode_mod.build_codecs
+
+    def build_codecs(*a, **k):
+        with open(built_in, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(*a, **k)
+
+    monkeypatch.setattr("src.data.encode.build_codecs", build_codecs)
+    encoded = encode_corpus(corpus, spec, None)
+    pids = built_in.read_text().split()
+    assert len(pids) == 1 and int(pids[0]) != os.getpid()
+    assert encoded.encode_peak_rss_mb > 0 and encoded.src_codec._tokenizer is None
+
+    here = encode_mod._from_blob(encode_mod._encode(corpus, spec), None)
+    assert built_in.read_text().split()[1:] == [str(os.getpid())]
+    assert (encoded.src_codec.state(), encoded.tgt_codec.state()) == (here.src_codec.state(), here.tgt_codec.state())
+    for name, split in here.splits.items():
+        for side in ("src", "tgt"):
+            assert [t.tolist() for t in getattr(encoded.splits[name], side)] == [t.tolist() for t in getattr(split, side)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="spaCy tokenizes in a forked child on Linux only")
+def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeypatch):
+    """The user's error comes back as it was raised (one line); another with the child's traceback; a child that
+    dies (the OOM killer) is named, and nothing is cached."""
+    corpus = load_synthetic("de", "en", {"train": 20, "valid": 5, "test": 5}, 1, LengthDistribution())
+    with pytest.raises(ConfigError, match=r"tokenizer.models.de=no_such_pipeline: .*not installed"):
+        encode_corpus(corpus, {"name": "spacy", "models": {"de": "no_such_pipeline"}}, tmp_path)
+
+    def broken(*a, **k):
+        raise ValueError("broken tokenizer")
+
+    monkeypatch.setattr("src.data.encode.build_codecs", broken)
+    with pytest.raises(ValueError, match="broken tokenizer") as raised:
+        encode_corpus(corpus, {"name": "spacy"}, tmp_path)
+    assert any("in the child process" in n and "in broken" in n for n in raised.value.__notes__)
+
+    monkeypatch.setattr("src.data.encode.build_codecs", lambda *a, **k: os._exit(9))
+    with pytest.raises(RuntimeError, match="_encode ended with exit code 9 before it replied"):
+        encode_corpus(corpus, {"name": "spacy"}, tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):

@@ -1,7 +1,13 @@
 """Encode a corpus with its tokenizers, once: the result is cached on disk, keyed by the text, the tokenizer
 settings and the code that builds the tokenizers and encodes, so the runs of a sweep (and reruns) load token ids
 instead of tokenizing again, and an edit to that code never loads ids (or detokenization rules) the old code made.
-A cache file written with another version of an installed tokenizer package is encoded again."""
+A cache file written with another version of an installed tokenizer package is encoded again.
+
+spaCy tokenizes in a child process (forked, on Linux), as fairseq's ``fairseq-preprocess`` is a command of its own:
+importing spaCy and tokenizing Multi30k leave about 85 MB in the process that did it (modules and interned
+strings, not given back by ``malloc_trim``), and the run needs neither afterwards, since detokenizing uses the
+learned rules only. The run's process then holds what a cached run holds. XLM-R's tokenizer is used in the run's
+process, as decoding needs it there anyway."""
 
 from __future__ import annotations
 
@@ -9,13 +15,18 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-from collections.abc import Sequence
+import multiprocessing
+import pickle
+import sys
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..errors import UserError
 from ..fileio import atomic_path
 from ..tokenizers import Codec, TrimmedCodec, build_codecs, codec_from_state
 from .corpus import Corpus
@@ -89,6 +100,9 @@ class EncodedCorpus:
     splits: dict[str, EncodedSplit]
     cache_file: Path | None = None
     from_cache: bool = False
+    # The tokenizing child process's peak RSS (its pages shared with the run's process counted in it too), or None
+    # where nothing was tokenized in a child.
+    encode_peak_rss_mb: float | None = None
 
 
 def cache_key(corpus: Corpus, tokenizer: dict) -> str:
@@ -124,31 +138,90 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
             if changed:
                 log.info("encoding the corpus again: %s since %s was written", ", ".join(changed), cache_file)
             else:
-                src = codec_from_state(blob["codecs"]["src"])
-                tgt = src if blob["codecs"]["shared"] else codec_from_state(blob["codecs"]["tgt"])
-                splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in blob["splits"].items()}
                 log.info("loaded encoded corpus from %s", cache_file)
-                return EncodedCorpus(src, tgt, splits, cache_file, from_cache=True)
+                return _from_blob(blob, cache_file, from_cache=True)
         except Exception as e:  # a corrupt or outdated cache file is rebuilt, not fatal
             log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
 
-    train = corpus.train
-    src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
-    packed = {
-        name: {"src": _pack(src_codec.encode(s.src)), "tgt": _pack(tgt_codec.encode(s.tgt))}
-        for name, s in corpus.splits.items()
-    }
+    child_peak = None
+    if tokenizer.get("name") == "spacy" and sys.platform == "linux":
+        blob, child_peak = in_forked_child(_encode, corpus, tokenizer)
+        log.info("tokenized in a child process (peak RSS %.0f MB)", child_peak)
+    else:
+        blob = _encode(corpus, tokenizer)
     if cache_file is not None:
-        blob = {
-            "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
-            "splits": packed,
-            "packages": package_versions(tokenizer),
-        }
         with atomic_path(cache_file) as tmp:
             torch.save(blob, tmp)
         log.info("cached encoded corpus in %s", cache_file)
-    splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in packed.items()}
-    return EncodedCorpus(src_codec, tgt_codec, splits, cache_file, from_cache=False)
+    return _from_blob(blob, cache_file, from_cache=False, encode_peak_rss_mb=child_peak)
+
+
+def _encode(corpus: Corpus, tokenizer: dict) -> dict:
+    """The codecs' states, every split's token ids, and the tokenizer packages' versions: what the cache holds."""
+    train = corpus.train
+    src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
+    return {
+        "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
+        "splits": {name: {"src": _pack(src_codec.encode(s.src)), "tgt": _pack(tgt_codec.encode(s.tgt))}
+                   for name, s in corpus.splits.items()},
+        "packages": package_versions(tokenizer),
+    }
+
+
+def _from_blob(blob: dict, cache_file: Path | None, **kw) -> EncodedCorpus:
+    src = codec_from_state(blob["codecs"]["src"])
+    tgt = src if blob["codecs"]["shared"] else codec_from_state(blob["codecs"]["tgt"])
+    splits = {name: EncodedSplit(_unpack(s["src"]), _unpack(s["tgt"])) for name, s in blob["splits"].items()}
+    return EncodedCorpus(src, tgt, splits, cache_file, **kw)
+
+
+def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
+    """``fn(*args)`` in a forked child process: (its result, the child's peak RSS in MB). The result comes back
+    pickled; an exception raised there is raised here (one that is not the user's to fix with the child's
+    traceback as a note). The child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
+    survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
+    from ..memory import peak_rss_mb
+
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            torch.set_num_threads(1)
+            if (hooks := sys.modules.get("wandb.sdk.lib.import_hooks")) is not None:
+                # A W&B run's import telemetry (importing spaCy is noted) would talk to W&B's service, which a
+                # forked process may not: wandb raises ForkedError. The run's own process keeps its hooks.
+                hooks.unregister_all_post_import_hooks()
+            reply = (True, fn(*args), peak_rss_mb())
+        except BaseException as e:  # passed to the parent, which raises it
+            if not isinstance(e, UserError):
+                e.add_note(f"in the child process:\n{traceback.format_exc()}")
+            reply = (False, e, 0.0)
+        try:
+            data = pickle.dumps(reply)
+        except Exception:  # an exception that does not pickle: its text
+            data = pickle.dumps((False, RuntimeError("".join(traceback.format_exception(reply[1])).strip()), 0.0))
+        send.send_bytes(data)
+
+    process = ctx.Process(target=child, name=f"{fn.__name__} (child)", daemon=True)
+    process.start()
+    send.close()
+    try:
+        try:
+            ok, value, peak = pickle.loads(receive.recv_bytes())
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"the child process running {fn.__name__} ended with exit code {process.exitcode} "
+                               "before it replied (killed for memory?)") from None
+        process.join()
+    finally:
+        receive.close()
+        if process.is_alive():
+            process.terminate()
+            process.join()
+    if not ok:
+        raise value
+    return value, peak
 
 
 def _mapped(seqs: Sequence[Tensor], table: Tensor) -> Sequence[Tensor]:
