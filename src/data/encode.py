@@ -144,7 +144,9 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
             log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
 
     child_peak = None
-    if tokenizer.get("name") == "spacy" and sys.platform == "linux":
+    # spaCy in a child (the module's docstring says why), except off Linux (no safe fork) and in a daemonic
+    # process (a multiprocessing pool's worker), which may not start one.
+    if tokenizer.get("name") == "spacy" and sys.platform == "linux" and not multiprocessing.current_process().daemon:
         blob, child_peak = in_forked_child(_encode, corpus, tokenizer)
         log.info("tokenized in a child process (peak RSS %.0f MB)", child_peak)
     else:
