@@ -33,7 +33,8 @@ def main(cfg: DictConfig) -> float:
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)
-        log.error("interrupted: %s", e)
+        log.error("interrupted: %s", str(e) or "SIGINT, stopped at once (before training or a second SIGINT): no "
+                  "checkpoint written for this stop")
         signum = getattr(e, "signum", signal.SIGINT)
         pass_on_signal(signum)  # submitit's SIGUSR2: it requeues the SLURM job, which resumes
         sys.exit(128 + signum)

@@ -293,6 +293,28 @@ def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeyp
     assert not list(tmp_path.iterdir())
 
 
+def _sleep_then_answer(seconds: float) -> str:
+    time.sleep(seconds)
+    return "answered"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
+    """Ctrl-C while the child tokenizes: KeyboardInterrupt in the run's process, and the child is ended, not
+    orphaned (it would go on holding spaCy's memory)."""
+    import multiprocessing
+    import signal
+
+    assert encode_mod.in_forked_child(_sleep_then_answer, 0.0)[0] == "answered"
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        encode_mod.in_forked_child(_sleep_then_answer, 30.0)
+    timer.join()
+    assert time.monotonic() - started < 10 and not multiprocessing.active_children()
+
+
 def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):
     """Token ids and detokenization rules cached by older tokenizer code, or by another version of the installed
     tokenizer package, are made again; a machine without the package (a GPU machine without spaCy) uses them."""
