@@ -306,7 +306,7 @@ def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
     import signal
 
     assert encode_mod.in_forked_child(_sleep_then_answer, 0.0)[0] == "answered"
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):

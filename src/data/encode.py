@@ -206,9 +206,9 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
         send.send_bytes(data)
 
     process = ctx.Process(target=child, name=f"{fn.__name__} (child)", daemon=True)
-    process.start()
-    send.close()
-    try:
+    try:  # from the start: an interrupt at any point ends the child too
+        process.start()
+        send.close()  # the child's end: EOF here when the child dies
         try:
             ok, value, peak = pickle.loads(receive.recv_bytes())
         except EOFError:
@@ -217,6 +217,7 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
                                "before it replied (killed for memory?)") from None
         process.join()
     finally:
+        send.close()
         receive.close()
         if process.is_alive():
             process.terminate()
