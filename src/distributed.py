@@ -45,6 +45,19 @@ class World:
         if self.distributed:
             dist.barrier()
 
+    @contextlib.contextmanager
+    def local_main_first(self):
+        """Each machine's first process (LOCAL_RANK 0) runs the body before the others, which then run it too:
+        reading and tokenizing a corpus once per machine, into the cache the others then load, instead of once
+        per GPU at the same time. An error in the first still lets the others go on (to fail the same way)."""
+        if self.distributed and self.local_rank != 0:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.distributed and self.local_rank == 0:
+                self.barrier()
+
     def all_sum(self, values: list[float | torch.Tensor], device: torch.device) -> list[float]:
         """Sums of ``values`` over the ranks (one collective), as Python numbers."""
         t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])

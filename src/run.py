@@ -289,12 +289,14 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
-def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True
+def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
                  ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
-    """The corpus, its encoding (cached), the training split after truncation, and what was done to it."""
+    """The corpus, its encoding (cached), the training split after truncation, and what was done to it. Under
+    torchrun each machine's first rank downloads and tokenizes, and the others load its cache."""
     cache_dir = Path(conf["paths"]["cache_dir"])
-    corpus = load_corpus(conf["data"], cache_dir, download_ok)
-    encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
+    with (world or World()).local_main_first():
+        corpus = load_corpus(conf["data"], cache_dir, download_ok)
+        encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
@@ -336,7 +338,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         reuse_host_memory = True
     fault = Fault(**_fault_settings(conf, world.rank))
     seed_everything(conf["seed"])
-    corpus, encoded, train_split, info = prepare_data(conf, strategy)
+    corpus, encoded, train_split, info = prepare_data(conf, strategy, world=world)
     info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
     info["reuse_host_memory"] = reuse_host_memory
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS [agree]
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR main-first
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
@@ -93,6 +94,22 @@ def fsdp_peak(out: Path) -> None:
     torch.save(peak, out / f"fsdp_peak{world.rank}.pt")
 
 
+def main_first(out: Path) -> None:
+    """A corpus prepared as src/run.py prepares it under torchrun, into an empty cache: whether each rank
+    tokenized it or loaded it."""
+    from omegaconf import OmegaConf
+
+    from src.run import prepare_data
+    from tests.conftest import compose_config
+
+    world = world_from_env()
+    cfg = compose_config("data.train_size=200", run_dir=out / "run", cache_dir=out / "cache")
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    with process_group(world, torch.device("cpu")):
+        _, encoded, _, _ = prepare_data(conf, MemoryStrategy(), world=world)
+    torch.save({"from_cache": encoded.from_cache}, out / f"main_first{world.rank}.pt")
+
+
 def exit_without_interpreter_shutdown() -> None:
     """Every backward pass stashes a Python object in the thread's state (torch/autograd/graph.py,
     ``_engine_run_backward``); each gloo collective that DDP or FSDP starts in it keeps a copy, which gloo's worker
@@ -109,6 +126,8 @@ def exit_without_interpreter_shutdown() -> None:
 if __name__ == "__main__":
     if sys.argv[2] == "fsdp-peak":
         fsdp_peak(Path(sys.argv[1]))
+    elif sys.argv[2] == "main-first":
+        main_first(Path(sys.argv[1]))
     else:
         main(Path(sys.argv[1]), int(sys.argv[2]), agree=sys.argv[3:] == ["agree"])
     exit_without_interpreter_shutdown()

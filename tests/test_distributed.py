@@ -176,6 +176,16 @@ def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path):
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
 
 
+def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(tmp_path):
+    """Under torchrun, rank 0 reads and tokenizes the corpus while rank 1 waits, then rank 1 loads the cache:
+    once per machine, not once per GPU at the same time."""
+    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "main-first")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_cache = [torch.load(tmp_path / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
+    assert from_cache == [False, True]
+    assert len(list((tmp_path / "cache").glob("encoded-*.pt"))) == 1
+
+
 @pytest.mark.slow
 def test_the_planner_knows_fsdps_sharded_sizes(tmp_path):
     from src.model import ModelArgs
