@@ -11,6 +11,7 @@ process, as decoding needs it there anyway."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -203,7 +204,8 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
             data = pickle.dumps(reply)
         except Exception:  # an exception that does not pickle: its text
             data = pickle.dumps((False, RuntimeError("".join(traceback.format_exception(reply[1])).strip()), 0.0))
-        send.send_bytes(data)
+        with contextlib.suppress(BrokenPipeError):  # the parent stopped listening: interrupted
+            send.send_bytes(data)
 
     process = ctx.Process(target=child, name=f"{fn.__name__} (child)", daemon=True)
     try:  # from the start: an interrupt at any point ends the child too
