@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print_one(*rows[0], gpu, overhead, context)
         job, _, strategy, est, _ = rows[0]
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
-            print_fix(job, gpu)
+            print_fix(job, gpu, est)
     else:
         print_table(rows, gpu, overhead, context)
     return 0
@@ -98,10 +98,11 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{cost_note(strategy)}")
 
 
-def print_fix(job: list[str], gpu: float) -> None:
-    """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``)."""
+def print_fix(job: list[str], gpu: float, configured) -> None:
+    """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
+    estimate of the configured setting just printed."""
     try:
-        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"]))
+        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"]), configured)
     except UserError as e:
         print(f"to fit: {e}")
         return

@@ -277,13 +277,14 @@ def longest_pair(split) -> tuple[int, int]:
 
 def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
                     budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
-                    clip_grad_norm: float | None = 1.0,
-                    device: str = "cpu") -> tuple[MemoryStrategy, Estimate, list[dict]]:
+                    clip_grad_norm: float | None = 1.0, device: str = "cpu",
+                    configured: Estimate | None = None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
     accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
     and accumulation. Returns it, its estimate, and every setting tried with its estimated peak, in order. A stage
     that does not fit as configured, and not even with micro-batches of one pair, is passed over after those two
-    estimates."""
+    estimates. ``configured``: the estimate of ``strategy`` as it is, where the caller has made it already
+    (plan.py), used instead of estimating it again."""
     base = dataclasses.replace(strategy, auto=True)
     stages = [{}]
     if not base.amp:
@@ -291,6 +292,8 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
     if not base.checkpoint:
         stages.append({**stages[-1], "checkpoint": True})
     estimates: dict = {}
+    if configured is not None:
+        estimates[(base.label, configured.shape)] = configured
 
     def plan(extra: dict, accum: int) -> tuple[MemoryStrategy, Estimate]:
         candidate = dataclasses.replace(base, accum_steps=accum, **extra)

@@ -149,10 +149,11 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     }
 
 
-def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
+def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple[MemoryStrategy, planner.Estimate, dict]:
     """plan.py: the estimated peak of one worst-case training step of a resolved config. Lengths and vocabulary
     sizes come from ``plan.*`` when given, else from the training data exactly as training prepares it (cached;
-    nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb."""
+    nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb;
+    ``configured`` is the estimate already made of the same config without memory=auto, which it starts from."""
     strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
@@ -180,7 +181,7 @@ def plan_config(conf: dict) -> tuple[MemoryStrategy, planner.Estimate, dict]:
         budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
-                                                               device)
+                                                               device, None if strategy.fsdp else configured)
         return strategy, est, info
     shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
                                      strategy.accum_steps)

@@ -173,13 +173,20 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
                 with pytest.raises(ConfigError, match="no setting fits; the smallest, auto.amp.accum.checkpoint. "
                                                       "with micro-batches of one pair, needs an estimated 48 MiB"):
                     planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB)
+                made = len(calls)
             else:
                 chosen, est, tried = planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB)
+                made = len(calls)
                 assert (chosen.amp, chosen.checkpoint, est.shape) == expected
                 assert [t["estimate_mb"] > budget_mb for t in tried] == [True] * (len(tried) - 1) + [False]
-                assert len(tried) <= len(calls) <= len(tried) + 1  # unlisted: a fitting stage's one-pair check
-            assert len(calls) <= n_exhaustive + 1  # at most one more: the one-pair check of the stage that fits
-            fewer += len(calls) < n_exhaustive
+                assert len(tried) <= made <= len(tried) + 1  # unlisted: a fitting stage's one-pair check
+                # plan.py's "to fit": the configured setting's estimate, already made, is not made again
+                configured = estimate(None, base, worst_case_shape(40, 30, 24, None, base.accum_steps))
+                calls.clear()
+                again = planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB, configured=configured)
+                assert (again[0], again[1].shape, again[2]) == (chosen, est.shape, tried) and len(calls) == made - 1
+            assert made <= n_exhaustive + 1  # at most one more: the one-pair check of the stage that fits
+            fewer += made < n_exhaustive
         assert fewer > 0
 
 
