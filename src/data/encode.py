@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..errors import UserError
 from ..fileio import atomic_path
+from ..memory import peak_rss_mb
 from ..tokenizers import Codec, TrimmedCodec, build_codecs, codec_from_state
 from .corpus import Corpus
 
@@ -183,8 +184,6 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
     pickled; an exception raised there is raised here (one that is not the user's to fix with the child's
     traceback as a note). The child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
     survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
-    from ..memory import peak_rss_mb
-
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
 
