@@ -277,7 +277,7 @@ def longest_pair(split) -> tuple[int, int]:
 
 def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
                     budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
-                    clip_grad_norm: float | None = 1.0, device: str = "cpu",
+                    clip_grad_norm: float | None = 1.0, device: str = "cpu", world_size: int = 2,
                     configured: Estimate | None = None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
     accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
@@ -300,7 +300,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         shape = worst_case_shape(longest_src, longest_tgt, batch_size, candidate.max_tokens, accum)
         key = (candidate.label, shape)
         if key not in estimates:
-            estimates[key] = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm, device=device)
+            estimates[key] = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm, world_size, device)
         return candidate, estimates[key]
 
     one_pair = 10**9  # accumulation steps enough for micro-batches of one pair (worst_case_shape caps them)

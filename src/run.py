@@ -128,8 +128,9 @@ def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id
 
 
 def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
-                      device: torch.device) -> tuple[MemoryStrategy, dict]:
-    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py)."""
+                      device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
+    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py); with memory=fsdp,
+    for one of this run's ``world_size`` ranks."""
     plan = conf.get("plan") or {}
     context = plan.get("context_gb", 0.5) if device.type == "cuda" else 0.0  # no CUDA context on the CPU
     budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
@@ -140,7 +141,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     chosen, est, tried = planner.choose_strategy(
         args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
         conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
-        device="cuda" if device.type == "cuda" else "cpu",
+        device="cuda" if device.type == "cuda" else "cpu", world_size=world_size,
     )
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
@@ -177,17 +178,18 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
+    world_size = plan.get("world_size", 2)
+    if strategy.fsdp:
+        info["world_size"] = world_size
     if strategy.auto:
         budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
-                                                               device, None if strategy.fsdp else configured)
+                                                               device, world_size, configured)
         return strategy, est, info
     shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
                                      strategy.accum_steps)
-    if strategy.fsdp:
-        info["world_size"] = plan.get("world_size", 2)
-    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, plan.get("world_size", 2), device), info
+    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, world_size, device), info
 
 
 @dataclasses.dataclass
@@ -346,7 +348,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     if world.main:
         save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     if strategy.auto:
-        strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device)
+        strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device, world.size)
         log.info("memory=auto: %s", info["auto"])
 
     seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed

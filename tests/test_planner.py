@@ -13,6 +13,7 @@ from src.model import ModelArgs
 from src.planner import (
     BASE,
     SMALL,
+    TINY,
     VALIDATION_CASES,
     XLMR_VOCAB,
     StepShape,
@@ -237,3 +238,19 @@ def test_plan_downloads_nothing(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "nothing is downloaded here" in lines[0] and "plan.src_len" in lines[0], lines
     assert not (tmp_path / "multi30k").exists() or not any((tmp_path / "multi30k").iterdir())
+
+
+def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
+    """memory=auto with memory=fsdp plans one rank's share for the world size it is given (training: the torchrun
+    world; plan.py: plan.world_size): a budget that one of 4 ranks fits as configured needs accumulation on 2."""
+    from src import planner
+
+    args = ModelArgs(src_vocab=20_000, tgt_vocab=20_000, pad_id=1, **TINY)
+    base = MemoryStrategy(fsdp=True, auto=True, budget_gb=1.0)
+    shape = worst_case_shape(40, 30, 24, None, 1)
+    four, two = (estimate_step(args, base, shape, world_size=n).peak_bytes for n in (4, 2))
+    assert four < two
+    chosen, est, tried = planner.choose_strategy(args, base, 40, 30, 24, four, world_size=4)
+    assert (chosen.accum_steps, est.peak_bytes, len(tried)) == (1, four, 1)
+    chosen, est, tried = planner.choose_strategy(args, base, 40, 30, 24, four, world_size=2)
+    assert tried[0]["estimate_mb"] == round(two / planner.MiB, 1) and chosen.accum_steps > 1 and est.peak_bytes <= four
