@@ -46,6 +46,22 @@ class ModelArgs:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def training_flops(self, pairs: int, src_len: int, tgt_len: int) -> int:
+        """Model FLOPs of one training forward and backward pass over ``pairs`` sentence pairs padded to
+        ``src_len`` source and ``tgt_len`` target positions, counted as PyTorch's ``FlopCounterMode`` counts
+        matrix products (2 per multiply-add; backward twice forward): the linear layers, attention's scores and
+        weighted values, the output projection. Unlike that counter, attention is counted also where the CPU's
+        fused kernel computes it, which the counter does not see. Not counted: elementwise work, softmax, layer
+        norms, the optimizer, and what memory=checkpoint recomputes: the model's FLOPs, not the hardware's."""
+        b, s, t, d = pairs, src_len, tgt_len, self.d_model
+        linear = 2 * d * (4 * d + 2 * self.d_ff)  # per position: 4 attention projections, 2 feed-forward matrices
+        encoder = b * s * linear + 4 * b * s * s * d  # + scores and weighted values, 2 products of s x s x d
+        decoder = (b * t * (linear + 4 * d * d)  # + the cross-attention's query and output projections on t,
+                   + 4 * b * s * d * d  # its key and value projections on the source,
+                   + 4 * b * t * t * d + 4 * b * t * s * d)  # self- and cross-attention
+        forward = self.encoder_layers * encoder + self.decoder_layers * decoder + 2 * b * t * d * self.tgt_vocab
+        return 3 * forward
+
 
 class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float):

@@ -456,6 +456,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
     save_every = tr.get("save_every") or tr.get("eval_every")
     on_nonfinite, max_nonfinite = tr.get("on_nonfinite", "skip"), tr.get("max_nonfinite", 10)
+    peak_tflops = tr.get("peak_tflops")
+    if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, int | float)
+                                    or peak_tflops <= 0):
+        raise ConfigError(f"trainer.peak_tflops={peak_tflops}: must be a number > 0, the device's peak TFLOP/s "
+                          "(datasheet) at the run's precision; null = no MFU")
     if on_nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
 
@@ -488,6 +493,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         metrics = window.flush()
         if metrics:
             metrics.update(lr=trainer.lr, epoch=p.epoch)
+            if peak_tflops:
+                metrics["mfu"] = metrics["model_tflops"] / peak_tflops
             metrics.update(peak.window_metrics())
             logger.log(metrics, p.step)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
@@ -654,6 +661,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         "train_s": round(window.total_seconds, 2),
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "padding_ratio": round(window.padding_ratio(total=True), 4),
+        "model_tflops": float(f"{window.total_flops / train_s / 1e12:.4g}"),  # model FLOP/s, ModelArgs.training_flops
+        "mfu": float(f"{window.total_flops / train_s / 1e12 / peak_tflops:.4g}") if peak_tflops else None,
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "final_accum_steps": p.accum_steps,
         "oom_backoffs": p.backoffs,
@@ -783,11 +792,11 @@ class _Window:
     def __init__(self, device: torch.device, world: World | None = None):
         self.device, self.world = device, world or World()
         self.total_seconds = 0.0
-        self.total_src_tokens = self.total_tgt_tokens = self.total_padded = self.total_skipped = 0
+        self.total_src_tokens = self.total_tgt_tokens = self.total_padded = self.total_skipped = self.total_flops = 0
         self.reset()
 
     def reset(self) -> None:
-        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = 0
+        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
         self.loss = self.nll = self.grad_norm = 0.0
         self.seconds = 0.0
         self._t0: float | None = None
@@ -814,8 +823,9 @@ class _Window:
         self.src_tokens += stats.n_src_tokens
         self.padded += stats.n_padded
         self.skipped += stats.skipped
+        self.flops += stats.flops
 
-    TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped")
+    TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped", "total_flops")
 
     def totals(self) -> dict:
         return {k: getattr(self, k) for k in self.TOTALS}
@@ -836,14 +846,15 @@ class _Window:
         if not self.steps:
             return {}
         if self.world.distributed:  # the sums over the ranks (the gradient norm is the same on all of them)
-            self.loss, self.nll, tgt, src, padded = self.world.all_sum(
-                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded], self.device)
-            self.tgt_tokens, self.src_tokens, self.padded = int(tgt), int(src), int(padded)
+            self.loss, self.nll, tgt, src, padded, flops = self.world.all_sum(
+                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded, self.flops], self.device)
+            self.tgt_tokens, self.src_tokens, self.padded, self.flops = int(tgt), int(src), int(padded), int(flops)
         self.total_seconds += self.seconds
         self.total_src_tokens += self.src_tokens
         self.total_tgt_tokens += self.tgt_tokens
         self.total_padded += self.padded
         self.total_skipped += self.skipped
+        self.total_flops += self.flops
         loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
         metrics = {
             "window_s": round(self.seconds, 4),
@@ -854,6 +865,7 @@ class _Window:
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,
             "padding_ratio": self.padding_ratio(),
+            "model_tflops": self.flops / max(self.seconds, 1e-9) / 1e12,  # model FLOP/s (ModelArgs.training_flops)
         }
         if self.skipped:
             metrics["fp16_skipped_steps"] = self.skipped

@@ -166,6 +166,7 @@ class StepStats:
     grad_norm: Tensor
     skipped: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the update
     nonfinite: bool = False  # the loss or the gradients were NaN or infinite: no update (trainer.on_nonfinite)
+    flops: int = 0  # the model FLOPs of the step's forward and backward passes (ModelArgs.training_flops)
 
 
 class Trainer:
@@ -277,8 +278,9 @@ class Trainer:
             self.scheduler.step()
         n_src = sum(b.n_src_tokens for b in micro_batches) * real
         n_padded = sum(b.n_padded for b in micro_batches) * real
+        flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in micro_batches) * real
         return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
-                         nonfinite)
+                         nonfinite, flops)
 
     def _forward_backward(self, micro_batches: list[Batch], divisor: float, real: bool, sync_last: bool
                           ) -> tuple[Tensor, Tensor]:

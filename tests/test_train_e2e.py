@@ -16,7 +16,7 @@ from .helpers import read_jsonl, run_cli
 
 
 def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
-    cfg = fast_cfg()
+    cfg = fast_cfg("trainer.peak_tflops=0.5")
     summary = train(cfg)
     run = Path(cfg.paths.output_dir)
     on_disk = json.loads((run / "summary.json").read_text())
@@ -30,7 +30,12 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
     rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
-    assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb"} <= r.keys() for r in train_rows)
+    assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb", "model_tflops"} <= r.keys() for r in train_rows)
+    # model FLOP/s: the run's is its windows' FLOPs over their time; MFU against trainer.peak_tflops
+    assert all(r["model_tflops"] > 0 and r["mfu"] == pytest.approx(r["model_tflops"] / 0.5) for r in train_rows)
+    flops = sum(r["model_tflops"] * r["window_s"] for r in train_rows)
+    assert summary["model_tflops"] == pytest.approx(flops / sum(r["window_s"] for r in train_rows), rel=2e-3)
+    assert summary["mfu"] == pytest.approx(summary["model_tflops"] / 0.5, rel=1e-3)
     assert [r["step"] for r in rows if "valid_bleu" in r] == [3, 6]
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "best.pt").is_file()
     assert list((run / "checkpoints").glob("step_*.pt")) and (run / "tokenizer" / "codecs.json").is_file()

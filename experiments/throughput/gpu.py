@@ -5,8 +5,8 @@
 1. the card's bf16 and fp32 matrix-multiply rates (8192 x 8192 products);
 2. model=base (6+6, d_model 512, 8 heads, FFN 2048) on the throughput reference workload, trained by `train.py` at
    bf16 autocast (memory=amp) with batches of --max-tokens tokens: tokens/s and seconds per step after 20
-   warm-up steps, peak CUDA memory (allocated and reserved), FLOPs per step (FlopCounterMode on the run's own
-   batches) and MFU, against the measured bf16 rate and against the card's datasheet peak where it is known;
+   warm-up steps, peak CUDA memory (allocated and reserved), model FLOPs per step (as the run logs them:
+   ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's datasheet peak where it is known;
    the same at fp32 (TF32 off, PyTorch's default) for comparison;
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
    operators by CUDA time;
@@ -38,7 +38,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from run import BASE, commit, flops_per_step, run_train  # noqa: E402
+from run import BASE, commit, run_train  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by a name fragment.
@@ -90,10 +90,9 @@ def main() -> None:
     def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
-        r = run_train(run_dir, overrides)
-        flops = flops_per_step(overrides, device=args.device)
-        achieved = flops / r["s_per_step"]
-        r |= {"gflops_per_step": round(flops / 1e9, 1), "achieved_tflops": round(achieved / 1e12, 1),
+        r = run_train(run_dir, overrides)  # with the model FLOPs of its timed steps, as the run logged them
+        achieved = r["achieved_gflops"] * 1e9
+        r |= {"achieved_tflops": round(achieved / 1e12, 1),
               "mfu_of_measured_matmul": round(achieved / rate, 3),
               "mfu_of_datasheet_bf16": peak and round(achieved / peak, 3)}
         summary = json.loads((run_dir / "summary.json").read_text())

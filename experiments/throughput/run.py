@@ -3,9 +3,10 @@
 Runs `python train.py experiment=throughput_ref` (Multi30k de->en, 3+3 layers, d_model 256, batches of 2,000
 tokens, 300 steps, then greedy decoding of test_2016_flickr) and reads back its files: training tokens/s and
 seconds per step after 20 warm-up steps, peak RSS, the training loss at the last step, test BLEU and the test
-decoding time. In the same process it measures this machine's fp32 matrix-multiply rate and counts the FLOPs of
-training steps on the run's own batches (PyTorch's FlopCounterMode, forward and backward, padding included), so
-the achieved FLOP/s is stated as a fraction of what the matrix products reach here. With --base the same is
+decoding time. It also reads the model FLOPs of the timed steps that the run logs (``model_tflops`` per log line,
+``ModelArgs.training_flops``: forward and backward on each batch as computed, padding included, attention too), and
+measures this machine's fp32 matrix-multiply rate, so the achieved FLOP/s is stated as a fraction of what the matrix
+products reach here. With --base the same is
 measured for model=base (6+6, d_model 512) over a shorter run. Writes results.md and results.json next to this
 file (or --out).
 """
@@ -26,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from src.flops import matmul_rate, step_flops  # noqa: E402
+from src.flops import matmul_rate  # noqa: E402
 
 WARMUP = 20
 BASE = ["model.encoder_layers=6", "model.decoder_layers=6", "model.d_model=512", "model.n_heads=8", "model.d_ff=2048"]
@@ -58,10 +59,12 @@ def run_train(run_dir: Path, overrides: list[str]) -> dict:
     timed = [r for r in train if r["step"] > WARMUP]
     seconds = sum(r["window_s"] for r in timed)
     steps = timed[-1]["step"] - WARMUP
+    flops = sum(r["model_tflops"] * 1e12 * r["window_s"] for r in timed)
     return {
         "command": "python " + " ".join(cmd[1:]), "wall_s": round(time.perf_counter() - started, 1),
         "tokens_per_s": round(sum(r["src_tokens"] + r["tgt_tokens"] for r in timed) / seconds, 1),
-        "s_per_step": round(seconds / steps, 4), "steps": summary["steps"], "loss_last": round(train[-1]["loss"], 4),
+        "s_per_step": round(seconds / steps, 4), "gflops_per_step": round(flops / steps / 1e9, 2),
+        "achieved_gflops": round(flops / seconds / 1e9, 1), "steps": summary["steps"], "loss_last": round(train[-1]["loss"], 4),
         "peak_rss_mb": summary["peak_rss_mb"], "test_bleu": summary["test_bleu"], "valid_bleu": summary["valid_bleu"],
         "test_decode_s": summary["test_decode_s"], "padding_ratio": summary["padding_ratio"],
         "parameters": summary["parameters"], "vocab": summary["vocab"],
@@ -87,28 +90,6 @@ def reference(overrides: list[str]) -> tuple[dict, object, object, object]:
     return conf, strategy, encoded, split
 
 
-def flops_per_step(overrides: list[str], samples: int = 12, device: str = "cpu") -> float:
-    """Mean FLOPs of a training step over the first ``samples`` batches of epoch 0 of this config (counted from
-    shapes, so the device only sets how long the count takes)."""
-    from src.data.batching import epoch_batches, micro_batches, pair_sizes
-    from src.run import build_model
-
-    conf, strategy, encoded, split = reference(overrides)
-    torch.manual_seed(0)
-    model = build_model(conf["model"], encoded).to(device)
-    model.train()
-    codec = encoded.tgt_codec
-    sizes = pair_sizes(split)
-    order = epoch_batches(sizes, conf["data"]["batch_size"], strategy.max_tokens, True, conf["seed"], 0)
-    total = 0
-    for indices in order[:samples]:
-        batches = [b.to(torch.device(device)) for b in
-                   micro_batches(split, indices, sizes, 1, codec.pad_id, codec.bos_id, codec.eos_id)]
-        flops, _ = step_flops(model, batches, codec.pad_id, conf["optim"]["label_smoothing"])
-        total += flops
-    return total / samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default=os.environ.get("MULTI30K_ROOT") or str(ROOT.parent / "shared/data/multi30k"))
@@ -132,10 +113,7 @@ def main() -> None:
                                  *args.extra]
     for name, overrides in configs.items():
         r = run_train(runs / name.replace("=", "_"), overrides)
-        flops = flops_per_step(overrides)
-        r["gflops_per_step"] = round(flops / 1e9, 2)
-        r["achieved_gflops"] = round(flops / r["s_per_step"] / 1e9, 1)
-        r["fraction_of_matmul_rate"] = round(flops / r["s_per_step"] / rate, 3)
+        r["fraction_of_matmul_rate"] = round(r["achieved_gflops"] * 1e9 / rate, 3)
         results[name] = r
         print(name, r, flush=True)
 
