@@ -86,7 +86,8 @@ def main() -> None:
 
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     common = [*args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}",
-              f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none"]
+              f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none",
+              *([f"trainer.peak_tflops={peak / 1e12:g}"] if peak else [])]  # the run's own MFU, as a user would see it
     def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
