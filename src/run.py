@@ -459,7 +459,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     peak_tflops = tr.get("peak_tflops")
     if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, int | float)
                                     or peak_tflops <= 0):
-        raise ConfigError(f"trainer.peak_tflops={peak_tflops}: must be a number > 0, the device's peak TFLOP/s "
+        raise ConfigError(f"trainer.peak_tflops={peak_tflops}: must be a number > 0, one device's peak TFLOP/s "
                           "(datasheet) at the run's precision; null = no MFU")
     if on_nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
@@ -493,8 +493,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         metrics = window.flush()
         if metrics:
             metrics.update(lr=trainer.lr, epoch=p.epoch)
-            if peak_tflops:
-                metrics["mfu"] = metrics["model_tflops"] / peak_tflops
+            if peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
+                metrics["mfu"] = metrics["model_tflops"] / (peak_tflops * world.size)
             metrics.update(peak.window_metrics())
             logger.log(metrics, p.step)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
@@ -662,7 +662,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "padding_ratio": round(window.padding_ratio(total=True), 4),
         "model_tflops": float(f"{window.total_flops / train_s / 1e12:.4g}"),  # model FLOP/s, ModelArgs.training_flops
-        "mfu": float(f"{window.total_flops / train_s / 1e12 / peak_tflops:.4g}") if peak_tflops else None,
+        "mfu": float(f"{window.total_flops / train_s / 1e12 / (peak_tflops * world.size):.4g}") if peak_tflops else None,
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "final_accum_steps": p.accum_steps,
         "oom_backoffs": p.backoffs,

@@ -83,7 +83,7 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     run = tmp_path / "run"
     proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
                     "memory=accum", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}",
-                    cwd=tmp_path)
+                    "trainer.peak_tflops=0.5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
@@ -92,6 +92,9 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # one row per logged window, from rank 0 only
     # The tokens of both ranks' batches: 2 ranks x 2 steps x 16 pairs of the 200-pair split.
     assert sum(r["src_tokens"] for r in rows if "loss" in r) > 0
+    # MFU: the model FLOP/s of both ranks against the peak of two devices
+    assert all(r["mfu"] == pytest.approx(r["model_tflops"] / (0.5 * 2)) for r in rows if "loss" in r)
+    assert summary["mfu"] == pytest.approx(summary["model_tflops"] / (0.5 * 2), rel=1e-3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
 
 
