@@ -204,9 +204,10 @@ class Trainer:
         self.net: nn.Module = net or LossModule(model, pad_id, label_smoothing, strategy.loss_chunk)
         if self.world.distributed and not strategy.fsdp:
             # The model's only buffers are its sinusoidal positions, the same on every rank: no broadcast of them
-            # from rank 0 before each forward pass (DDP's default), a collective per micro-batch for nothing.
+            # from rank 0 before each forward pass (DDP's default), a collective per micro-batch for nothing; once
+            # at construction, as DDP does with its parameters. (torch 2.13 deprecates broadcast_buffers=False.)
             self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None,
-                                               broadcast_buffers=False)
+                                               forward_sync_buffers=False)
 
     def compile(self) -> None:
         """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since

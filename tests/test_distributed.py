@@ -74,7 +74,7 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_p
             if accum == 4:
                 assert got["hook_calls"][0] < accum
         # and nothing else: the buffers (sinusoidal positions) are the same on every rank, so DDP does not
-        # broadcast them before each forward pass (broadcast_buffers=False, as fairseq)
+        # broadcast them before each forward pass (forward_sync_buffers=False; broadcast_buffers=False in fairseq)
         assert got["buffer_broadcasts"] == 0
 
 
