@@ -170,14 +170,16 @@ def _status(job: Job) -> str:
 def markdown_table(jobs: list[Job]) -> str:
     cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # where the tracker counted
     reserved = any(j.summary.get("peak_reserved_mb") for j in jobs)
+    mfu = any(j.summary.get("mfu") for j in jobs)  # runs given trainer.peak_tflops
     head = ["job", "run", "effective batch", "peak memory (MiB)", *cats, *(["CUDA reserved"] if reserved else []),
-            "tokens/s", "steps", "valid BLEU", "test BLEU", "status"]
+            "tokens/s", *(["MFU"] if mfu else []), "steps", "valid BLEU", "test BLEU", "status"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in jobs:
         s, split = j.summary, j.summary.get("peak_memory_split_mb") or {}
         row = [j.name, j.label, j.effective_batch, _fmt(s.get("peak_memory_mb")), *(_fmt(split.get(c)) for c in cats),
                *([_fmt(s.get("peak_reserved_mb"))] if reserved else []), _fmt(s.get("tokens_per_s"), 0),
-               _fmt(s.get("steps"), 0), _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _status(j)]
+               *([f"{s['mfu']:.1%}" if s.get("mfu") else _fmt(None)] if mfu else []), _fmt(s.get("steps"), 0),
+               _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _status(j)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

@@ -143,9 +143,10 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
         (d / ".hydra" / "overrides.yaml").write_text(f"- memory=amp\n- trainer.max_steps={job}\n")
         (d / "config.yaml").write_text("memory: {amp: bf16, accum_steps: 2}\ndata: {batch_size: 8, max_tokens: null}\n")
         (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n{"step": 4, "loss": 4.5}\n{"step": 6, "lo')
-        if status:
+        if status:  # job 0 was given trainer.peak_tflops: an MFU column, "–" for the others
             (d / "summary.json").write_text(json.dumps({"status": status, "strategy": "amp+accum",
-                                                        "tokens_per_s": 10.0, "peak_memory_mb": 1.0}))
+                                                        "tokens_per_s": 10.0, "peak_memory_mb": 1.0,
+                                                        "mfu": 0.1234 if job == "0" else None}))
     jobs = load_sweep(sweep)
     assert [j.name for j in jobs] == ["0", "1", "10"]  # numeric order
     assert [j.status for j in jobs] == ["completed", None, "oom"]
@@ -154,6 +155,7 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     md, png, table = write_report(sweep)
     assert "| 1 | amp+accum trainer.max_steps=1 | 8 pairs (2 x 4) |" in table
     assert "**no summary.json** (killed?)" in table and md.exists() and png.exists()
+    assert "| tokens/s | MFU | steps |" in table and "| 10 | 12.3% |" in table and "| 10 | – |" in table
 
 
 def test_report_says_when_bleu_was_not_measured_on_the_whole_sets(tmp_path):
