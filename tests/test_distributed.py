@@ -190,6 +190,29 @@ def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(tmp_path):
 
 
 @pytest.mark.slow
+def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_path):
+    """Two torchrun launchers with --nnodes=2 (two "nodes" on this machine, one process each, one cache directory
+    as on a shared filesystem): each node's first process tokenizes, both at the same time, and the atomic
+    writes leave one whole cache file, no temporary ones, that a later run loads."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    launchers = [subprocess.Popen([TORCHRUN, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+                                   "--master_addr=127.0.0.1", f"--master_port={port}", "tests/ddp_worker.py",
+                                   str(tmp_path), "main-first"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    for launcher in launchers:
+        _, err = launcher.communicate(timeout=300)
+        assert launcher.returncode == 0, err[-3000:]
+    from_cache = [torch.load(tmp_path / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
+    assert from_cache == [False, False]  # LOCAL_RANK 0 on each node: neither waits for the other
+    assert [p.name.endswith(".pt") for p in (tmp_path / "cache").iterdir()] == [True]
+    (tmp_path / "main_first0.pt").unlink()
+    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "main-first", nproc=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.load(tmp_path / "main_first0.pt")["from_cache"]
+
+
+@pytest.mark.slow
 def test_the_planner_knows_fsdps_sharded_sizes(tmp_path):
     from src.model import ModelArgs
     from src.planner import TINY, StepShape, estimate_step
