@@ -329,8 +329,15 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                 return candidate, est, tried
     # not even the last stage with micro-batches of one pair, the least memory any setting needs
     lowest, floor = plan(stages[-1], one_pair)
+    largest = [f"{cat} {mb:,.0f}" for cat, mb in sorted(floor.split_mb().items(), key=lambda kv: -kv[1])[:3] if mb > 0]
+    others = [hint for hint, applied in (("memory=chunked_ce (a large vocabulary's logits)", base.loss_chunk),
+                                         ("memory=trim_vocab (tokenizer=xlmr's embeddings)", base.trim_vocab),
+                                         ("memory=fsdp (over several GPUs)", base.fsdp)) if not applied]
     raise ConfigError(
         f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
         f"{dataclasses.replace(lowest, accum_steps=floor.shape.accum_steps).label} with micro-batches of one "
         f"pair, needs an estimated {floor.peak_mb:,.0f} MiB before overheads"
+        + (f", most of it {', '.join(largest)} MiB" if largest else "")
+        + "; memory=auto changes only accumulation, amp and checkpointing"
+        + (f": see also {', '.join(others)}" if others else "")
     )

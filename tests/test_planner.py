@@ -196,8 +196,13 @@ def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
 
     with pytest.raises(ConfigError, match=r"memory.budget_gb=None: memory=auto needs the memory budget"):
         train(fast_cfg("memory=auto"))
-    with pytest.raises(ConfigError, match=r"memory.budget_gb=0.001: no setting fits; the smallest"):
+    with pytest.raises(ConfigError, match=r"memory.budget_gb=0.001: no setting fits; the smallest, .* MiB before "
+                                          r"overheads, most of it \w+ [\d,]+, .* MiB; memory=auto changes only "
+                                          r"accumulation, amp and checkpointing: see also memory=chunked_ce .*, "
+                                          r"memory=trim_vocab .*, memory=fsdp"):
         train(fast_cfg("memory=auto", "memory.budget_gb=0.001"))
+    with pytest.raises(ConfigError, match=r"checkpointing: see also memory=trim_vocab .*, memory=fsdp .*\)$"):
+        train(fast_cfg("memory=[auto,chunked_ce]", "memory.budget_gb=0.001"))  # what it has is not suggested
 
 
 # ------------------------------------------------------------------------------------- out-of-memory back-off
