@@ -6,7 +6,8 @@
 2. model=base (6+6, d_model 512, 8 heads, FFN 2048) on the throughput reference workload, trained by `train.py` at
    bf16 autocast (memory=amp) with batches of --max-tokens tokens: tokens/s and seconds per step after 20
    warm-up steps, peak CUDA memory (allocated and reserved), model FLOPs per step (as the run logs them:
-   ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's datasheet peak where it is known;
+   ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's
+   datasheet peak where it is known;
    the same at fp32 (TF32 off, PyTorch's default) for comparison;
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
    operators by CUDA time;

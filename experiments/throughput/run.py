@@ -6,9 +6,8 @@ seconds per step after 20 warm-up steps, peak RSS, the training loss at the last
 decoding time. It also reads the model FLOPs of the timed steps that the run logs (``model_tflops`` per log line,
 ``ModelArgs.training_flops``: forward and backward on each batch as computed, padding included, attention too), and
 measures this machine's fp32 matrix-multiply rate, so the achieved FLOP/s is stated as a fraction of what the matrix
-products reach here. With --base the same is
-measured for model=base (6+6, d_model 512) over a shorter run. Writes results.md and results.json next to this
-file (or --out).
+products reach here. With --base the same is measured for model=base (6+6, d_model 512) over a shorter run. Writes
+results.md and results.json next to this file (or --out).
 """
 
 from __future__ import annotations
@@ -64,7 +63,8 @@ def run_train(run_dir: Path, overrides: list[str]) -> dict:
         "command": "python " + " ".join(cmd[1:]), "wall_s": round(time.perf_counter() - started, 1),
         "tokens_per_s": round(sum(r["src_tokens"] + r["tgt_tokens"] for r in timed) / seconds, 1),
         "s_per_step": round(seconds / steps, 4), "gflops_per_step": round(flops / steps / 1e9, 2),
-        "achieved_gflops": round(flops / seconds / 1e9, 1), "steps": summary["steps"], "loss_last": round(train[-1]["loss"], 4),
+        "achieved_gflops": round(flops / seconds / 1e9, 1), "steps": summary["steps"],
+        "loss_last": round(train[-1]["loss"], 4),
         "peak_rss_mb": summary["peak_rss_mb"], "test_bleu": summary["test_bleu"], "valid_bleu": summary["valid_bleu"],
         "test_decode_s": summary["test_decode_s"], "padding_ratio": summary["padding_ratio"],
         "parameters": summary["parameters"], "vocab": summary["vocab"],
