@@ -31,10 +31,7 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .tokenizers import load_codecs
 
     paths = [Path(p) for p in ([path] if isinstance(path, str | Path) else path)]
-    checkpoints = [(p, read_checkpoint(p, device)) for p in paths]
-    ckpt = checkpoints[0][1]
-    if len(checkpoints) > 1:
-        ckpt = dict(ckpt, model=average_weights(checkpoints))
+    ckpt = averaged_checkpoint(paths, device)
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
         raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
@@ -54,15 +51,20 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
         raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
-def average_weights(checkpoints: list[tuple[Path, dict]]) -> dict:
-    """The mean of the checkpoints' model weights (floating-point tensors; the rest as in the first)."""
-    (first_path, first), others = checkpoints[0], checkpoints[1:]
+def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
+    """The first checkpoint, its model weights replaced by the mean of all the checkpoints' (floating-point
+    tensors; the rest as in the first). They are read one at a time: two in memory at once, however many."""
+    first_path, first = paths[0], read_checkpoint(paths[0], device)
+    if len(paths) == 1:
+        return first
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
-    for path, ckpt in others:
+    for path in paths[1:]:
+        ckpt = read_checkpoint(path, device)
         if ckpt["model_args"] != first["model_args"]:
             raise UserError(f"{path}: another model than {first_path} (model_args differ); average checkpoints of one run")
         for k, v in total.items():
             if v.is_floating_point():
                 v += ckpt["model"][k]
-    return {k: (v / len(checkpoints)).to(first["model"][k].dtype) if v.is_floating_point() else v
-            for k, v in total.items()}
+        del ckpt
+    model = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v for k, v in total.items()}
+    return dict(first, model=model)

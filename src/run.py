@@ -25,7 +25,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from . import planner
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
 from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
@@ -455,6 +455,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     best_path = ckpt_dir / "best.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
     save_every = tr.get("save_every") or tr.get("eval_every")
+    keep_last, average_last = tr.get("keep_last", 3), tr.get("average_last")
+    check_int("trainer.average_last", average_last, 1, nullable=True)
+    if average_last and average_last > max(1, keep_last):
+        raise ConfigError(f"trainer.average_last={average_last} needs as many step checkpoints kept: set "
+                          f"trainer.keep_last={average_last} or more (it is {keep_last})")
     on_nonfinite, max_nonfinite = tr.get("on_nonfinite", "skip"), tr.get("max_nonfinite", 10)
     peak_tflops = tr.get("peak_tflops")
     if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, int | float)
@@ -518,7 +523,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                      scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks, **ckpt_meta)
         save_checkpoint(path or ckpt_dir / f"step_{p.step:08d}.pt", **state)
         if path is None:
-            prune(ckpt_dir, tr.get("keep_last", 3))
+            prune(ckpt_dir, keep_last)
 
     def run_eval() -> tuple[dict, dict] | None:
         """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores. memory=fsdp:
@@ -642,12 +647,24 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     if not world.main:
         world.barrier()
         return {**info, "steps": p.step}
-    # The test set is translated once, by the checkpoint with the best validation BLEU.
-    best = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
-    best.load_state_dict(load_checkpoint(best_path, device)["model"])
-    test_scores, test_hyps = evaluate(best, "test")
+    # The test set is translated once: by the checkpoint with the best validation BLEU, or with
+    # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
+    tested = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
+    if average_last:
+        newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
+        if len(newest) < average_last:
+            log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
+                        average_last, len(newest))
+        tested.load_state_dict(averaged_checkpoint(newest, device)["model"])
+        info["test_checkpoints"] = [path.name for path in newest]
+    else:
+        tested.load_state_dict(load_checkpoint(best_path, device)["model"])
+        info["test_checkpoints"] = [best_path.name]
+    test_scores, test_hyps = evaluate(tested, "test")
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
-    log.info("test BLEU %.2f, chrF %.2f (best checkpoint, step %d) | %s", test_scores["bleu"], test_scores["chrf"], p.best_step, test_scores["bleu_signature"])
+    log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
+             f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
+             test_scores["bleu_signature"])
     world.barrier()
 
     train_s = max(window.total_seconds, 1e-9)

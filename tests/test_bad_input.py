@@ -52,6 +52,8 @@ RUN = [
     ("no beams", ["trainer.beam_size=0"], "trainer.beam_size=0: must be an integer >= 1"),
     ("negative length penalty", ["trainer.length_penalty=-1"], "trainer.length_penalty=-1: must be a number >= 0"),
     ("a device peak of zero", ["trainer.peak_tflops=0"], "trainer.peak_tflops=0: must be a number > 0"),
+    ("averaging more checkpoints than are kept", ["trainer.average_last=5"],
+     "trainer.average_last=5 needs as many step checkpoints kept: set trainer.keep_last=5 or more (it is 3)"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
     ("Multi30k folder that does not exist", ["data=multi30k", "data.root=/nonexistent"],
      "data.root=/nonexistent: no such directory"),

@@ -44,15 +44,15 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
     assert translate_test_set(cfg, tmp_path) == (run / "test.hyp.txt").read_text().splitlines()
 
 
-def translate_test_set(cfg, tmp_path: Path, *args: str) -> list[str]:
-    """The run's test set translated by ``translate.py`` with its best checkpoint."""
+def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, ...] = ("best.pt",)) -> list[str]:
+    """The run's test set translated by ``translate.py`` with its best checkpoint (or the average of others)."""
     from src.run import load_corpus
 
     test = load_corpus(dict(cfg.data), tmp_path).splits["test"]
     (tmp_path / "test.de").write_text("\n".join(test.src) + "\n")
     (tmp_path / "test.en").write_text("\n".join(test.tgt) + "\n")
     out = tmp_path / "hyp.en"
-    assert translate.main([str(Path(cfg.paths.output_dir) / "checkpoints" / "best.pt"), "--input",
+    assert translate.main([*(str(Path(cfg.paths.output_dir) / "checkpoints" / c) for c in checkpoints), "--input",
                            str(tmp_path / "test.de"), "--reference", str(tmp_path / "test.en"), "--output", str(out),
                            "--device", "cpu", *args]) == 0
     return out.read_text().splitlines()
@@ -87,6 +87,18 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
     save_checkpoint(tmp_path / "other.pt", **other)
     assert translate.main([str(steps[0]), str(tmp_path / "other.pt"), "--input", str(tmp_path / "test.de")]) == 1
     assert "other.pt: another model than" in capsys.readouterr().err
+
+
+def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path):
+    """trainer.average_last=2: the test set is translated by the mean weights of the last two step checkpoints
+    (the paper's practice, with 5), which translate.py given those two files reproduces, not by best.pt."""
+    cfg = fast_cfg("trainer.save_every=2", "trainer.keep_last=2", "trainer.average_last=2")
+    summary = train(cfg)
+    newest = ("step_00000004.pt", "step_00000006.pt")
+    assert summary["test_checkpoints"] == list(newest)
+    hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
+    assert translate_test_set(cfg, tmp_path, checkpoints=newest) == hyps
+    assert translate_test_set(cfg, tmp_path) != hyps  # the average translates otherwise than best.pt
 
 
 def test_strategies_compose_in_one_run(fast_cfg):
