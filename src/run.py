@@ -649,16 +649,17 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         return {**info, "steps": p.step}
     # The test set is translated once: by the checkpoint with the best validation BLEU, or with
     # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
+    # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
     tested = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
     if average_last:
         newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
         if len(newest) < average_last:
             log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
                         average_last, len(newest))
-        tested.load_state_dict(averaged_checkpoint(newest, device)["model"])
+        tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
         info["test_checkpoints"] = [path.name for path in newest]
     else:
-        tested.load_state_dict(load_checkpoint(best_path, device)["model"])
+        tested.load_state_dict(load_checkpoint(best_path)["model"])
         info["test_checkpoints"] = [best_path.name]
     test_scores, test_hyps = evaluate(tested, "test")
     (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
