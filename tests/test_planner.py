@@ -1,5 +1,6 @@
 """The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
 
+import dataclasses
 import json
 import re
 import time
@@ -259,3 +260,22 @@ def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
     assert (chosen.accum_steps, est.peak_bytes, len(tried)) == (1, four, 1)
     chosen, est, tried = planner.choose_strategy(args, base, 40, 30, 24, four, world_size=2)
     assert tried[0]["estimate_mb"] == round(two / planner.MiB, 1) and chosen.accum_steps > 1 and est.peak_bytes <= four
+
+
+def test_auto_under_ddp_leaves_room_for_ddps_gradient_buckets(fast_cfg):
+    """Under torchrun without FSDP, memory=auto's budget is smaller by DDP's gradient buckets (one fp32 copy of
+    the gradients); a single process and memory=fsdp plan without them."""
+    from omegaconf import OmegaConf
+
+    from src.memory import memory_strategy
+    from src.run import choose_for_budget, count_parameters, prepare_data
+
+    conf = OmegaConf.to_container(fast_cfg("memory=auto", "memory.budget_gb=1"), resolve=True)
+    strategy = memory_strategy(conf["memory"], None)
+    _, encoded, split, _ = prepare_data(conf, strategy)
+    buckets_mb = 4 * count_parameters(conf["model"], encoded) / 2**20
+    one, two = (choose_for_budget(conf, strategy, encoded, split, torch.device("cpu"), n)[1] for n in (1, 2))
+    assert one["ddp_buckets_mb"] == 0 and two["ddp_buckets_mb"] == pytest.approx(buckets_mb, abs=0.1)
+    assert one["usable_mb"] - two["usable_mb"] == pytest.approx(buckets_mb, abs=0.2)
+    fsdp = dataclasses.replace(strategy, fsdp=True)
+    assert choose_for_budget(conf, fsdp, encoded, split, torch.device("cpu"), 2)[1]["ddp_buckets_mb"] == 0
