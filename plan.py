@@ -8,7 +8,8 @@ fake tensors that allocate nothing (src/planner.py); the peak is split into para
 activations, logits and backward temporaries, and checked against plan.gpu_gb with a margin for the CUDA allocator
 (plan.overhead) and context (plan.context_gb). It plans for plan.device (cuda, where attention runs in fused
 kernels that keep no attention weights; or cpu). Without plan.src_len/tgt_len/src_vocab/tgt_vocab the lengths and
-vocabularies are measured on the training data as training prepares it (cached; no GPU needed).
+vocabularies are measured on the training data as training prepares it (cached; no GPU needed). With
+plan.world_size=N it plans one of N torchrun ranks: with DDP's gradient buckets, or with memory=fsdp its shards.
 """
 
 import argparse

@@ -129,14 +129,11 @@ def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id
 
 def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
                       device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
-    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py); with memory=fsdp,
-    for one of this run's ``world_size`` ranks. Under DDP each rank also holds DDP's gradient buckets, one more
-    fp32 copy of the gradients, outside the step the planner runs: the budget is that much smaller."""
+    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
+    run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
     plan = conf.get("plan") or {}
     context = plan.get("context_gb", 0.5) if device.type == "cuda" else 0.0  # no CUDA context on the CPU
     budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
-    buckets = 4 * count_parameters(conf["model"], encoded) if world_size > 1 and not strategy.fsdp else 0
-    budget -= buckets
     src, tgt = encoded.src_codec, encoded.tgt_codec
     args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
     amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
@@ -147,8 +144,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
         device="cuda" if device.type == "cuda" else "cpu", world_size=world_size,
     )
     return chosen, {
-        "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1),
-        "ddp_buckets_mb": round(buckets / planner.MiB, 1), "chosen": chosen.label,
+        "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
         "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
         "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
     }
@@ -182,8 +178,9 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
-    world_size = plan.get("world_size", 2)
-    if strategy.fsdp:
+    check_int("plan.world_size", plan.get("world_size"), 1, nullable=True)
+    world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
+    if world_size > 1:
         info["world_size"] = world_size
     if strategy.auto:
         budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))

@@ -1,6 +1,5 @@
 """The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
 
-import dataclasses
 import json
 import re
 import time
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from src.memory import MemoryStrategy
-from src.model import ModelArgs
+from src.model import ModelArgs, Transformer
 from src.planner import (
     BASE,
     SMALL,
@@ -262,20 +261,31 @@ def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
     assert tried[0]["estimate_mb"] == round(two / planner.MiB, 1) and chosen.accum_steps > 1 and est.peak_bytes <= four
 
 
-def test_auto_under_ddp_leaves_room_for_ddps_gradient_buckets(fast_cfg):
-    """Under torchrun without FSDP, memory=auto's budget is smaller by DDP's gradient buckets (one fp32 copy of
-    the gradients); a single process and memory=fsdp plan without them."""
+def test_one_rank_under_ddp_is_planned_with_ddps_gradient_buckets(fast_cfg):
+    """With more than one rank and no FSDP, each rank also holds DDP's gradient buckets (one fp32 copy of the
+    gradients): plan.py with plan.world_size and memory=auto under torchrun plan them; one process does not."""
     from omegaconf import OmegaConf
 
     from src.memory import memory_strategy
-    from src.run import choose_for_budget, count_parameters, prepare_data
+    from src.run import choose_for_budget, count_parameters, plan_config, prepare_data
 
+    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=1, **TINY)
+    shape = StepShape(16, 21, 19)
+    alone, ddp = (estimate_step(args, MemoryStrategy(), shape, world_size=n) for n in (1, 2))
+    with torch.device("meta"):
+        buckets = 4 * Transformer(args).num_parameters()
+    assert ddp.peak_bytes == alone.peak_bytes + buckets
+    assert ddp.by_category["gradients"] == alone.by_category.get("gradients", 0) + buckets
+    # plan.py: plan.world_size=2 plans one of two DDP ranks, and says so
+    sizes = ["plan.src_len=20", "plan.tgt_len=18", "plan.src_vocab=300", "plan.tgt_vocab=250"]
+    plans = [plan_config(OmegaConf.to_container(fast_cfg(*sizes, *extra), resolve=True))
+             for extra in ([], ["plan.world_size=2"])]
+    assert "world_size" not in plans[0][2] and plans[1][2]["world_size"] == 2
+    assert plans[1][1].peak_bytes - plans[0][1].peak_bytes == 4 * plans[0][1].parameters
+    # memory=auto in a run: the torchrun world decides
     conf = OmegaConf.to_container(fast_cfg("memory=auto", "memory.budget_gb=1"), resolve=True)
     strategy = memory_strategy(conf["memory"], None)
     _, encoded, split, _ = prepare_data(conf, strategy)
-    buckets_mb = 4 * count_parameters(conf["model"], encoded) / 2**20
     one, two = (choose_for_budget(conf, strategy, encoded, split, torch.device("cpu"), n)[1] for n in (1, 2))
-    assert one["ddp_buckets_mb"] == 0 and two["ddp_buckets_mb"] == pytest.approx(buckets_mb, abs=0.1)
-    assert one["usable_mb"] - two["usable_mb"] == pytest.approx(buckets_mb, abs=0.2)
-    fsdp = dataclasses.replace(strategy, fsdp=True)
-    assert choose_for_budget(conf, fsdp, encoded, split, torch.device("cpu"), 2)[1]["ddp_buckets_mb"] == 0
+    buckets_mb = 4 * count_parameters(conf["model"], encoded) / 2**20
+    assert two["tried"][0]["estimate_mb"] - one["tried"][0]["estimate_mb"] == pytest.approx(buckets_mb, abs=0.2)
