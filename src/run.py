@@ -31,7 +31,7 @@ from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_mu
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
 from .distributed import World, full_state, fully_shard_net, load_full_state, process_group, shard_steps, world_from_env
-from .errors import ConfigError, DataError, NumericalError, UserError, check_int
+from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
@@ -159,6 +159,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
     planner.check_device(device)  # before the data is read
+    check_int("plan.world_size", plan.get("world_size"), 1, nullable=True)
     keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
@@ -178,7 +179,6 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
-    check_int("plan.world_size", plan.get("world_size"), 1, nullable=True)
     world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
     if world_size > 1:
         info["world_size"] = world_size
@@ -370,8 +370,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     check_int("trainer.limit_eval", tr.get("limit_eval"), 1, nullable=True)
     beam_size, length_penalty = tr.get("beam_size", 1), tr.get("length_penalty", 0.6)
     check_int("trainer.beam_size", beam_size, 1)
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float) or length_penalty < 0:
-        raise ConfigError(f"trainer.length_penalty={length_penalty}: must be a number >= 0 (0: no length penalty)")
+    check_number("trainer.length_penalty", length_penalty, 0, why=" (0: no length penalty)")
 
     def batches(epoch: int) -> list[list[int]]:
         try:
@@ -463,10 +462,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                           f"trainer.keep_last={average_last} or more (it is {keep_last})")
     on_nonfinite, max_nonfinite = tr.get("on_nonfinite", "skip"), tr.get("max_nonfinite", 10)
     peak_tflops = tr.get("peak_tflops")
-    if peak_tflops is not None and (isinstance(peak_tflops, bool) or not isinstance(peak_tflops, int | float)
-                                    or peak_tflops <= 0):
-        raise ConfigError(f"trainer.peak_tflops={peak_tflops}: must be a number > 0, one device's peak TFLOP/s "
-                          "(datasheet) at the run's precision; null = no MFU")
+    check_number("trainer.peak_tflops", peak_tflops, 0, strict=True, nullable=True,
+                 why=", one device's peak TFLOP/s (datasheet) at the run's precision; null = no MFU")
     if on_nonfinite not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
 
@@ -670,6 +667,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     world.barrier()
 
     train_s = max(window.total_seconds, 1e-9)
+    tflops = window.total_flops / train_s / 1e12
     return {
         **info,
         "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
@@ -680,8 +678,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         "train_s": round(window.total_seconds, 2),
         "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
         "padding_ratio": round(window.padding_ratio(total=True), 4),
-        "model_tflops": float(f"{window.total_flops / train_s / 1e12:.4g}"),  # model FLOP/s, ModelArgs.training_flops
-        "mfu": float(f"{window.total_flops / train_s / 1e12 / (peak_tflops * world.size):.4g}") if peak_tflops else None,
+        "model_tflops": float(f"{tflops:.4g}"),  # model FLOP/s, ModelArgs.training_flops
+        "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
         "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
         "final_accum_steps": p.accum_steps,
         "oom_backoffs": p.backoffs,
