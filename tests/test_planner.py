@@ -118,7 +118,9 @@ LONG = ["data.train_size=600", "data.long_fraction=0.05", "data.batch_size=32", 
 @pytest.mark.slow
 def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path):
     plain = train(fast_cfg(*LONG))
-    budget_gb = round(plain["peak_memory_mb"] / 2 / 1024, 3)  # half of what the plain run needed
+    # 60% of what the plain run needed: its worst case (every sentence as long as the longest) is planned at 265 MiB,
+    # and neither more accumulation alone nor with amp fits; amp with checkpointing does (x16; x32 at 50%)
+    budget_gb = round(plain["peak_memory_mb"] * 0.6 / 1024, 3)
     summary = train(compose_config(*FAST, *LONG, "memory=auto", f"memory.budget_gb={budget_gb}",
                                    run_dir=tmp_path / "auto", cache_dir=tmp_path / "cache"))
     auto = summary["auto"]
