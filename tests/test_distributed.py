@@ -164,17 +164,18 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
 @pytest.mark.slow
 def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path):
     """Checkpoints of a sharded run hold the gathered weights, Adam's state and every rank's random generators
-    (dropout is on): stopped at step 4 and resumed, it logs the losses of the run that never stopped."""
+    (dropout is on): resumed from its step-4 checkpoint (ckpt_path, in a directory of its own), a run logs the
+    losses of the run that never stopped."""
     common = [*FAST, "data.train_size=200", "trainer.eval_every=4", "trainer.log_every=1", "trainer.save_every=4",
-              "memory=fsdp", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
-    for run, steps, extra in (("full", 8, []), ("resumed", 4, []), ("resumed", 8, ["trainer.resume=auto"])):
-        proc = torchrun(str(ROOT / "train.py"), *common, f"trainer.max_steps={steps}",
-                        f"hydra.run.dir={tmp_path / run}", *extra, cwd=tmp_path)
+              "trainer.max_steps=8", "memory=fsdp", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
+    checkpoint = tmp_path / "full" / "checkpoints" / "step_00000004.pt"
+    for run, extra in (("full", []), ("resumed", [f"ckpt_path={checkpoint}"])):
+        proc = torchrun(str(ROOT / "train.py"), *common, f"hydra.run.dir={tmp_path / run}", *extra, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
     losses = {run: [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
                     if "loss" in r] for run in ("full", "resumed")}
-    assert [s for s, _ in losses["resumed"]] == list(range(1, 9))
-    assert losses["resumed"] == losses["full"]
+    assert [s for s, _ in losses["resumed"]] == [5, 6, 7, 8]
+    assert losses["resumed"] == losses["full"][4:]
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
 
