@@ -193,6 +193,9 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
             assert made <= n_exhaustive + 1  # at most one more: the one-pair check of the stage that fits
             fewer += made < n_exhaustive
         assert fewer > 0
+    # what the configuration already has is not suggested
+    with pytest.raises(ConfigError, match=r"checkpointing: see also memory=trim_vocab .*, memory=fsdp .*\)$"):
+        planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0, loss_chunk=16), 40, 30, 24, 39 * MiB)
 
 
 def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
@@ -205,8 +208,6 @@ def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
                                           r"accumulation, amp and checkpointing: see also memory=chunked_ce .*, "
                                           r"memory=trim_vocab .*, memory=fsdp"):
         train(fast_cfg("memory=auto", "memory.budget_gb=0.001"))
-    with pytest.raises(ConfigError, match=r"checkpointing: see also memory=trim_vocab .*, memory=fsdp .*\)$"):
-        train(fast_cfg("memory=[auto,chunked_ce]", "memory.budget_gb=0.001"))  # what it has is not suggested
 
 
 # ------------------------------------------------------------------------------------- out-of-memory back-off
