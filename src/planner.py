@@ -349,6 +349,8 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
         f"{dataclasses.replace(lowest, accum_steps=floor.shape.accum_steps).label} with micro-batches of one "
         f"pair, needs an estimated {floor.peak_mb:,.0f} MiB before overheads"
+        + (f" on each of {world_size} ranks" + ("" if base.fsdp else " (DDP's gradient buckets counted as gradients)")
+           if world_size > 1 else "")
         + (f", most of it {', '.join(largest)} MiB" if largest else "")
         + "; memory=auto changes only accumulation, amp and checkpointing"
         + (f": see also {', '.join(others)}" if others else "")

@@ -196,6 +196,12 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
     # what the configuration already has is not suggested
     with pytest.raises(ConfigError, match=r"checkpointing: see also memory=trim_vocab .*, memory=fsdp .*\)$"):
         planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0, loss_chunk=16), 40, 30, 24, 39 * MiB)
+    # one of several ranks: what the figures are
+    with pytest.raises(ConfigError, match=r"48 MiB before overheads on each of 2 ranks \(DDP's gradient buckets "
+                                          r"counted as gradients\);"):
+        planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0), 40, 30, 24, 39 * MiB, world_size=2)
+    with pytest.raises(ConfigError, match=r"48 MiB before overheads on each of 2 ranks;"):
+        planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0, fsdp=True), 40, 30, 24, 39 * MiB, world_size=2)
 
 
 def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
