@@ -138,6 +138,14 @@ def process_group(world: World, device: torch.device, timeout_min: float = 30):
         dist.destroy_process_group()
 
 
+def ddp_bucket_bytes(net: torch.nn.Module) -> int:
+    """The bytes of DDP's gradient buckets, one copy of every gradient that its reducer keeps for the whole run
+    (``gradient_as_bucket_view`` off, DDP's default); 0 for a module DDP does not wrap."""
+    if not isinstance(net, torch.nn.parallel.DistributedDataParallel):
+        return 0
+    return sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+
+
 def fully_shard_net(net: torch.nn.Module) -> None:
     """memory=fsdp: FSDP2 (``fully_shard``) over the ranks, one unit per encoder and decoder layer and one for the
     rest (embeddings, final norms, output projection: tied weights stay in one unit), with ``net`` (the

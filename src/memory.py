@@ -265,6 +265,11 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.peak = self.live
             self.peak_by_category = dict(self.live_by_category)
 
+    def hold(self, nbytes: int, category: str) -> None:
+        """Count ``nbytes`` that live for the whole run in storages no operator shows this tracker (DDP's gradient
+        buckets, allocated by its C++ reducer)."""
+        self._grow(nbytes, category)
+
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
         entry = self._seen.get(_local(tensor).untyped_storage()._cdata)
@@ -397,9 +402,12 @@ class PeakMemory:
     def available(self) -> bool:
         return self.allocator is not None or self.tracker is not None
 
-    def watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, buckets: int = 0) -> None:
+        """Track ``model``'s parameters and ``optimizer``'s state; ``buckets``: the bytes of DDP's gradient buckets,
+        counted as gradients (the CUDA allocator sees them, the tracker does not)."""
         if self.tracker is not None:
             self.tracker.watch(model)
+            self.tracker.hold(buckets, "gradients")
         self._optimizer = optimizer
 
     def _live(self) -> int:

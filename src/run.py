@@ -30,7 +30,16 @@ from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_siz
 from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
-from .distributed import World, full_state, fully_shard_net, load_full_state, process_group, shard_steps, world_from_env
+from .distributed import (
+    World,
+    ddp_bucket_bytes,
+    full_state,
+    fully_shard_net,
+    load_full_state,
+    process_group,
+    shard_steps,
+    world_from_env,
+)
 from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
@@ -418,7 +427,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                         + (" (the CUDA allocator's figures stay)" if device.type == "cuda" else ""))
             track = False
     peak = PeakMemory(device, track=track, every=every)
-    peak.watch(model, optimizer)
+    peak.watch(model, optimizer, buckets=ddp_bucket_bytes(trainer.net))
     trainer.ledger = peak.mark
 
     def autocast():

@@ -156,6 +156,9 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
     assert fsdp["peak_memory_split_mb"]["parameters"] == pytest.approx(params / 2 + buffers, abs=0.1)
     assert ddp["peak_memory_split_mb"]["optimizer"] == pytest.approx(2 * params, abs=0.1)
     assert fsdp["peak_memory_split_mb"]["optimizer"] == pytest.approx(params, abs=0.1)
+    # DDP's gradient buckets, a copy of the gradients that its reducer holds all along, count as gradients (the
+    # peak falls in forward, where the gradients themselves are freed)
+    assert ddp["peak_memory_split_mb"]["gradients"] >= params - 0.1
     # The same training: FSDP's sharded update equals DDP's replicated one.
     losses = {m: [r["loss"] for r in rows if "loss" in r] for m, (_, rows) in runs.items()}
     assert losses["fsdp"] == pytest.approx(losses["none"], rel=1e-5)
