@@ -75,6 +75,35 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_trainer(tr: dict) -> None:
+    """The trainer group's settings, each checked before the data is read (a mistake found after tokenizing a large
+    corpus, or after hours of training, is found too late)."""
+    max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
+    check_int("trainer.max_steps", max_steps, 1, nullable=True)
+    check_int("trainer.max_epochs", max_epochs, 1, nullable=True)
+    if not max_steps and not max_epochs:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
+    for key in ("log_every", "eval_batch_size", "beam_size", "profile_steps", "keep_last"):
+        check_int(f"trainer.{key}", tr.get(key), 1)
+    for key in ("eval_every", "save_every", "limit_eval", "overfit_batches", "memory_every", "threads",
+                "average_last"):
+        check_int(f"trainer.{key}", tr.get(key), 1, nullable=True)
+    for key in ("num_samples", "max_nonfinite"):
+        check_int(f"trainer.{key}", tr.get(key), 0)
+    check_int("trainer.profile_from", tr.get("profile_from"), 0, nullable=True)
+    check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
+    check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
+                                                                  "+ max_len_b tokens)")
+    check_number("trainer.length_penalty", tr.get("length_penalty"), 0, why=" (0: no length penalty)")
+    check_number("trainer.peak_tflops", tr.get("peak_tflops"), 0, strict=True, nullable=True,
+                 why=", one device's peak TFLOP/s (datasheet) at the run's precision; null = no MFU")
+    if tr.get("average_last") and tr["average_last"] > tr["keep_last"]:
+        raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
+                          f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
+    if tr.get("on_nonfinite") not in ("skip", "stop"):
+        raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
+
+
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
@@ -262,6 +291,7 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
+        check_trainer(conf["trainer"])
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
@@ -375,11 +405,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     batch_size, max_tokens = data["batch_size"], strategy.max_tokens
     sizes = pair_sizes(train_split)
     overfit = tr.get("overfit_batches")
-    check_int("trainer.overfit_batches", overfit, 1, nullable=True)
-    check_int("trainer.limit_eval", tr.get("limit_eval"), 1, nullable=True)
-    beam_size, length_penalty = tr.get("beam_size", 1), tr.get("length_penalty", 0.6)
-    check_int("trainer.beam_size", beam_size, 1)
-    check_number("trainer.length_penalty", length_penalty, 0, why=" (0: no length penalty)")
+    beam_size, length_penalty = tr["beam_size"], tr["length_penalty"]
 
     def batches(epoch: int) -> list[list[int]]:
         try:
@@ -419,7 +445,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
 
     track = tr.get("track_memory", True)
     every = tr.get("memory_every")
-    check_int("trainer.memory_every", every, 1, nullable=True)
     if tr.get("compile"):
         trainer.compile()
         if track:
@@ -458,23 +483,13 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         return score(hyps, s.text.tgt), hyps
 
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
-    if not max_steps and not max_epochs:
-        raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
     ckpt_dir = checkpoint_dir(run_dir)
     best_path = ckpt_dir / "best.pt"
     ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
     save_every = tr.get("save_every") or tr.get("eval_every")
-    keep_last, average_last = tr.get("keep_last", 3), tr.get("average_last")
-    check_int("trainer.average_last", average_last, 1, nullable=True)
-    if average_last and average_last > max(1, keep_last):
-        raise ConfigError(f"trainer.average_last={average_last} needs as many step checkpoints kept: set "
-                          f"trainer.keep_last={average_last} or more (it is {keep_last})")
-    on_nonfinite, max_nonfinite = tr.get("on_nonfinite", "skip"), tr.get("max_nonfinite", 10)
+    keep_last, average_last = tr["keep_last"], tr.get("average_last")
+    on_nonfinite, max_nonfinite = tr["on_nonfinite"], tr["max_nonfinite"]
     peak_tflops = tr.get("peak_tflops")
-    check_number("trainer.peak_tflops", peak_tflops, 0, strict=True, nullable=True,
-                 why=", one device's peak TFLOP/s (datasheet) at the run's precision; null = no MFU")
-    if on_nonfinite not in ("skip", "stop"):
-        raise ConfigError(f"trainer.on_nonfinite={on_nonfinite}: expected skip or stop")
 
     p = Progress(accum_steps=strategy.accum_steps)
     window = _Window(device, world)

@@ -52,6 +52,10 @@ RUN = [
     ("no beams", ["trainer.beam_size=0"], "trainer.beam_size=0: must be an integer >= 1"),
     ("negative length penalty", ["trainer.length_penalty=-1"], "trainer.length_penalty=-1: must be a number >= 0"),
     ("a device peak of zero", ["trainer.peak_tflops=0"], "trainer.peak_tflops=0: must be a number > 0"),
+    ("metrics logged every 0 steps", ["trainer.log_every=0"], "trainer.log_every=0: must be an integer >= 1"),
+    ("decoding batches of 0 pairs", ["trainer.eval_batch_size=0"], "trainer.eval_batch_size=0: must be an integer >= 1"),
+    ("a negative decoding length", ["trainer.max_len_a=-1"], "trainer.max_len_a=-1: must be a number >= 0"),
+    ("no step checkpoints kept", ["trainer.keep_last=0"], "trainer.keep_last=0: must be an integer >= 1"),
     ("averaging more checkpoints than are kept", ["trainer.average_last=5"],
      "trainer.average_last=5 needs as many step checkpoints kept: set trainer.keep_last=5 or more (it is 3)"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
@@ -111,6 +115,18 @@ def test_settings_caught_before_training(what, overrides, message, tmp_path):
     assert '"status": "failed"' in (run / "summary.json").read_text()
     metrics = run / "metrics.jsonl"
     assert not metrics.exists() or '"loss"' not in metrics.read_text()  # stopped before the first step
+
+
+# the trainer's own settings: found before the corpus is read and tokenized
+TRAINER = [c for c in RUN if all(o.startswith("trainer.") for o in c[1]) and "training data" not in c[2]]
+
+
+@pytest.mark.parametrize("what,overrides,message", TRAINER, ids=[c[0] for c in TRAINER])
+def test_trainer_settings_are_checked_before_the_data_is_read(what, overrides, message, tmp_path):
+    cfg = compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
+        train(cfg)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "tokenizer").exists()
 
 
 @pytest.mark.parametrize("what,files,message", FILES, ids=[c[0] for c in FILES])
