@@ -18,13 +18,16 @@ def check_int(key: str, value, minimum: int, nullable: bool = False) -> None:
         raise ConfigError(f"{key}={value}: must be an integer >= {minimum}" + (", or null" if nullable else ""))
 
 
-def check_number(key: str, value, minimum: float, strict: bool = False, nullable: bool = False, why: str = "") -> None:
-    """A setting that must be a number of at least ``minimum`` (above it, where ``strict``; or null, where
-    ``nullable``); ``why`` ends the message."""
+def check_number(key: str, value, minimum: float, strict: bool = False, nullable: bool = False, why: str = "",
+                 below: float | None = None) -> None:
+    """A setting that must be a number of at least ``minimum`` (above it, where ``strict``; below ``below``, where
+    given; or null, where ``nullable``); ``why`` ends the message."""
     if nullable and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (strict and value == minimum):
-        raise ConfigError(f"{key}={value}: must be a number {'>' if strict else '>='} {minimum}{why}")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (strict and value == minimum)
+            or (below is not None and value >= below)):
+        raise ConfigError(f"{key}={value}: must be a number {'>' if strict else '>='} {minimum}"
+                          + (f" and < {below}" if below is not None else "") + (", or null" if nullable else "") + why)
 
 
 class DataError(UserError):

@@ -96,12 +96,44 @@ def check_trainer(tr: dict) -> None:
                                                                   "+ max_len_b tokens)")
     check_number("trainer.length_penalty", tr.get("length_penalty"), 0, why=" (0: no length penalty)")
     check_number("trainer.peak_tflops", tr.get("peak_tflops"), 0, strict=True, nullable=True,
-                 why=", one device's peak TFLOP/s (datasheet) at the run's precision; null = no MFU")
+                 why=" (one device's datasheet TFLOP/s at the run's precision; null: no MFU)")
     if tr.get("average_last") and tr["average_last"] > tr["keep_last"]:
         raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
                           f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
     if tr.get("on_nonfinite") not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
+
+
+def check_model(model: dict) -> None:
+    """The model group's sizes, rates and initialization (before the data is read)."""
+    for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
+        if key in model:
+            check_int(f"model.{key}", model[key], 1)
+    for key in ("dropout", "attention_dropout", "activation_dropout"):
+        if key in model:
+            check_number(f"model.{key}", model[key], 0, below=1, nullable=key != "dropout")
+    d_model, n_heads = model.get("d_model", 512), model.get("n_heads", 8)
+    if d_model % n_heads:
+        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
+    if model.get("init", "xavier") not in ("xavier", "fairseq"):
+        raise ConfigError(f"model.init={model['init']}: expected xavier or fairseq")
+
+
+def check_optim(optim: dict) -> None:
+    """The optimizer group's settings (before the data is read)."""
+    check_number("optim.lr", optim.get("lr"), 0, strict=True, nullable=True, why=" (null: the paper's schedule)")
+    check_number("optim.lr_factor", optim.get("lr_factor", 1.0), 0, strict=True)
+    check_int("optim.warmup_steps", optim.get("warmup_steps"), 0)
+    check_number("optim.eps", optim.get("eps"), 0, strict=True)
+    check_number("optim.weight_decay", optim.get("weight_decay", 0.0), 0)
+    check_number("optim.label_smoothing", optim.get("label_smoothing"), 0, below=1)
+    check_number("optim.clip_grad_norm", optim.get("clip_grad_norm"), 0, strict=True, nullable=True,
+                 why=" (null: no clipping)")
+    betas = optim.get("betas")
+    if not isinstance(betas, list | tuple) or len(betas) != 2:
+        raise ConfigError(f"optim.betas={betas}: expected two numbers, e.g. [0.9,0.98]")
+    for i, beta in enumerate(betas):
+        check_number(f"optim.betas[{i}]", beta, 0, below=1)
 
 
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
@@ -153,12 +185,8 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device, fused
 
 
 def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id: int) -> ModelArgs:
+    check_model(model)
     fields = {k: v for k, v in model.items() if k != "name"}
-    d_model, n_heads = fields.get("d_model", 512), fields.get("n_heads", 8)
-    if isinstance(d_model, int) and isinstance(n_heads, int) and (n_heads < 1 or d_model % n_heads):
-        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
-    if fields.get("init", "xavier") not in ("xavier", "fairseq"):
-        raise ConfigError(f"model.init={fields['init']}: expected xavier or fairseq")
     try:
         return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
     except TypeError as e:
@@ -198,6 +226,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     device = plan.get("device", "cuda")
     planner.check_device(device)  # before the data is read
     check_int("plan.world_size", plan.get("world_size"), 1, nullable=True)
+    check_model(conf["model"])
     keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
@@ -292,6 +321,9 @@ def train(cfg: DictConfig) -> dict:
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
         check_trainer(conf["trainer"])
+        check_model(conf["model"])
+        check_optim(conf["optim"])
+        check_int("data.batch_size", conf["data"].get("batch_size"), 1)
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")

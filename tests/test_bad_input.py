@@ -33,7 +33,7 @@ RUN = [
     ("unknown amp dtype", ["memory.amp=fp8"], "memory.amp=fp8: expected bf16, fp16 or null"),
     ("token budget below the longest pair", ["memory=tokens", "data.max_tokens=10"],
      "data.max_tokens=10 is smaller than the longest training pair"),
-    ("batch size 0", ["data.batch_size=0"], "data.batch_size=0: must be >= 1"),
+    ("batch size 0", ["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1"),
     ("heads that do not divide d_model", ["model.d_model=130"], "model.d_model=130 must be divisible by model.n_heads=4"),
     ("unknown initialization", ["model.init=normal"], "model.init=normal: expected xavier or fairseq"),
     ("memory=fsdp without torchrun", ["memory=fsdp"], "memory=fsdp shards over the ranks of torchrun"),
@@ -56,6 +56,12 @@ RUN = [
     ("decoding batches of 0 pairs", ["trainer.eval_batch_size=0"], "trainer.eval_batch_size=0: must be an integer >= 1"),
     ("a negative decoding length", ["trainer.max_len_a=-1"], "trainer.max_len_a=-1: must be a number >= 0"),
     ("no step checkpoints kept", ["trainer.keep_last=0"], "trainer.keep_last=0: must be an integer >= 1"),
+    ("a negative learning rate", ["optim.lr=-1"], "optim.lr=-1: must be a number > 0, or null"),
+    ("label smoothing of 1 or more", ["optim.label_smoothing=1.5"], "optim.label_smoothing=1.5: must be a number >= 0 and < 1"),
+    ("a negative clipping norm", ["optim.clip_grad_norm=-1"], "optim.clip_grad_norm=-1: must be a number > 0, or null"),
+    ("Adam with one beta", ["optim.betas=[0.9]"], "optim.betas=[0.9]: expected two numbers"),
+    ("an encoder of no layers", ["model.encoder_layers=0"], "model.encoder_layers=0: must be an integer >= 1"),
+    ("dropout of 1 or more", ["model.dropout=2"], "model.dropout=2: must be a number >= 0 and < 1"),
     ("averaging more checkpoints than are kept", ["trainer.average_last=5"],
      "trainer.average_last=5 needs as many step checkpoints kept: set trainer.keep_last=5 or more (it is 3)"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
@@ -117,12 +123,13 @@ def test_settings_caught_before_training(what, overrides, message, tmp_path):
     assert not metrics.exists() or '"loss"' not in metrics.read_text()  # stopped before the first step
 
 
-# the trainer's own settings: found before the corpus is read and tokenized
-TRAINER = [c for c in RUN if all(o.startswith("trainer.") for o in c[1]) and "training data" not in c[2]]
+# the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
+EARLY = [c for c in RUN if all(o.split(".")[0] in ("trainer", "model", "optim") or o.startswith("data.batch_size")
+                               for o in c[1]) and "training data" not in c[2]]
 
 
-@pytest.mark.parametrize("what,overrides,message", TRAINER, ids=[c[0] for c in TRAINER])
-def test_trainer_settings_are_checked_before_the_data_is_read(what, overrides, message, tmp_path):
+@pytest.mark.parametrize("what,overrides,message", EARLY, ids=[c[0] for c in EARLY])
+def test_settings_are_checked_before_the_data_is_read(what, overrides, message, tmp_path):
     cfg = compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
     with pytest.raises(UserError, match=f"^{re.escape(message)}"):
         train(cfg)
