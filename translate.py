@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.beam_size < 1:
         p.error(f"--beam-size {args.beam_size}: must be >= 1")
+    if args.batch_size < 1:
+        p.error(f"--batch-size {args.batch_size}: must be >= 1")
     if args.length_penalty < 0:
         p.error(f"--length-penalty {args.length_penalty}: must be >= 0 (0: no length penalty)")
     try:

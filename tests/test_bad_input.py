@@ -214,3 +214,14 @@ def test_the_docs_table_lists_every_case_tried():
         shown = re.sub(r"\{data\}", "data", message)
         assert shown.replace("|", "\\|") in row, (what, shown)
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("args,message", [(["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+                                          (["--beam-size", "0"], "--beam-size 0: must be >= 1"),
+                                          (["--length-penalty", "-1"], "--length-penalty -1.0: must be >= 0")])
+def test_translate_py_checks_its_arguments_before_loading_anything(args, message, capsys):
+    import translate
+
+    with pytest.raises(SystemExit) as e:
+        translate.main(["/nonexistent.pt", "--input", "/nonexistent.de", *args])
+    assert e.value.code == 2 and f"error: {message}" in capsys.readouterr().err
