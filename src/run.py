@@ -140,9 +140,12 @@ def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
     if name == "synthetic":
-        lengths = LengthDistribution(
-            **{k: data[k] for k in ("continue_prob", "max_clauses", "long_fraction", "long_clauses") if k in data}
-        )
+        try:
+            lengths = LengthDistribution(
+                **{k: data[k] for k in ("continue_prob", "max_clauses", "long_fraction", "long_clauses") if k in data}
+            )
+        except ValueError as e:  # it names the key
+            raise ConfigError(str(e)) from None
         sizes = {"train": data["train_size"], "valid": data["valid_size"], "test": data["test_size"]}
         return load_synthetic(src, tgt, sizes, data["seed"], lengths)
     if name == "multi30k":

@@ -65,6 +65,7 @@ RUN = [
     ("averaging more checkpoints than are kept", ["trainer.average_last=5"],
      "trainer.average_last=5 needs as many step checkpoints kept: set trainer.keep_last=5 or more (it is 3)"),
     ("synthetic data in another language", ["data.src_lang=fr"], "data=synthetic translates between en and de; got fr->en"),
+    ("a share of long sentences above 1", ["data.long_fraction=2"], "data.long_fraction must be in [0, 1], got 2"),
     ("Multi30k folder that does not exist", ["data=multi30k", "data.root=/nonexistent"],
      "data.root=/nonexistent: no such directory"),
     ("data=files without its paths", ["data=files", "data.src_lang=de", "data.tgt_lang=en"],
