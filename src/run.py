@@ -136,6 +136,16 @@ def check_optim(optim: dict) -> None:
         check_number(f"optim.betas[{i}]", beta, 0, below=1)
 
 
+def check_plan(plan: dict) -> None:
+    """The plan group's settings (plan.py, and memory=auto's margins), before the data is read."""
+    planner.check_device(plan.get("device", "cuda"))
+    check_number("plan.gpu_gb", plan.get("gpu_gb", 12.0), 0, strict=True)
+    check_number("plan.overhead", plan.get("overhead", 0.10), 0, why=" (0.10: 10% on top of the estimate)")
+    check_number("plan.context_gb", plan.get("context_gb", 0.5), 0)
+    for key in ("src_len", "tgt_len", "src_vocab", "tgt_vocab", "world_size"):
+        check_int(f"plan.{key}", plan.get(key), 1, nullable=True)
+
+
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
@@ -227,8 +237,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
-    planner.check_device(device)  # before the data is read
-    check_int("plan.world_size", plan.get("world_size"), 1, nullable=True)
+    check_plan(plan)  # before the data is read
     check_model(conf["model"])
     keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
@@ -327,6 +336,7 @@ def train(cfg: DictConfig) -> dict:
         check_model(conf["model"])
         check_optim(conf["optim"])
         check_int("data.batch_size", conf["data"].get("batch_size"), 1)
+        check_plan(conf.get("plan") or {})
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")

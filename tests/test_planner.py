@@ -110,6 +110,21 @@ def test_plan_command_bad_override_is_one_line():
     assert proc.stderr.strip().splitlines() == ["error: plan.device=gpu: expected one of cuda, cpu"]
 
 
+@pytest.mark.parametrize("override,message", [
+    ("plan.gpu_gb=0", "plan.gpu_gb=0: must be a number > 0"),
+    ("plan.overhead=-1", "plan.overhead=-1: must be a number >= 0 (0.10: 10% on top of the estimate)"),
+    ("plan.context_gb=-1", "plan.context_gb=-1: must be a number >= 0"),
+    ("plan.src_len=0", "plan.src_len=0: must be an integer >= 1, or null"),
+    ("model.dropout=1", "model.dropout=1: must be a number >= 0 and < 1"),
+])
+def test_plan_settings_are_checked_before_the_data_is_read(override, message, capsys, tmp_path):
+    import plan
+
+    assert plan.main([override, f"paths.cache_dir={tmp_path}"]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
+
+
 # ------------------------------------------------------------------------------------------ memory=auto
 
 
