@@ -55,7 +55,16 @@ from .memory import (
 )
 from .model import ModelArgs, Transformer
 from .profiling import StepProfiler
-from .state import Progress, clear_for_fresh_start, find_resume, prune, rng_state, set_rng_state, step_checkpoints
+from .state import (
+    Progress,
+    check_resumable,
+    clear_for_fresh_start,
+    find_resume,
+    prune,
+    rng_state,
+    set_rng_state,
+    step_checkpoints,
+)
 from .tokenizers import save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
@@ -540,6 +549,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     window = _Window(device, world)
     if resumed is not None:
         path, ckpt = resumed
+        check_resumable(path, ckpt, model.args.to_dict(), conf)
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])
         trainer.scaler.load_state_dict(ckpt["scaler"])

@@ -106,6 +106,33 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
     return None
 
 
+# Model settings a checkpoint's weights do not fix: a resumed run may change them (fine-tuning with less dropout).
+FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init")
+# Settings whose change makes a resumed run differ from the one that never stopped (a warning, not an error).
+EXACT_KEYS = ("seed", "data", "tokenizer", "memory")
+
+
+def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict) -> None:
+    """Refuse, in one line, to load a checkpoint into a model of another shape or vocabulary (load_state_dict would
+    fail with a page of size mismatches, or, for model.n_heads, load and compute something else); warn about the
+    settings whose change makes the resumed run differ from an uninterrupted one."""
+    saved = ckpt.get("model_args") or {}
+    changed = [k for k in model_args if k not in FREE_MODEL_KEYS and k in saved and saved[k] != model_args[k]]
+    if changed:
+        vocab = any(k.endswith("_vocab") or k == "pad_id" for k in changed)
+        named = {k: f"model.{k}" if k in conf.get("model", {}) else k for k in changed}
+        raise ConfigError(
+            f"{path}: written by another model ("
+            + ", ".join(f"{named[k]} {saved[k]} there, {model_args[k]} here" for k in changed) + ")"
+            + ("; the data or tokenizer settings differ from that run's" if vocab else "")
+            + ": resume with that run's settings (its config.yaml), or start over (trainer.resume=never)")
+    before = ckpt.get("config") or {}
+    differ = [k for k in EXACT_KEYS if k in before and before[k] != conf.get(k)]
+    if differ:
+        log.warning("%s: resumed with other %s settings than the run that wrote it; the rest of this run will not be "
+                    "the one that run would have trained", path, ", ".join(differ))
+
+
 def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> None:
     """A run that starts afresh must not share its checkpoint directory with an earlier run's step checkpoints:
     pruning keeps the highest step numbers, and a later ``resume=auto`` would continue the earlier run. With

@@ -206,7 +206,8 @@ def test_the_docs_table_lists_every_case_tried():
     documented = {row.split(" | ")[0].removeprefix("| ").strip() for row in rows}
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
-                                                           "a GPU where there is none"}
+                                                           "a GPU where there is none",
+                                                           "resuming another model's checkpoint"}  # test_resume.py
     assert documented == tried
     assert len(tried) >= 12
     text = DOC.read_text()

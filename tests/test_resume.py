@@ -203,3 +203,25 @@ def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
     cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=2", "fault.times=1", "trainer.max_nonfinite=0")
     with pytest.raises(NumericalError, match=r"1 steps skipped, more than trainer.max_nonfinite=0"):
         train(cfg)
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_settings_are_named(fast_cfg, caplog):
+    """Resuming with another model size, or with data whose vocabularies differ, stops before anything is loaded
+    (load_state_dict's page of size mismatches; model.n_heads would load and compute something else). Another
+    batch size resumes, with a warning that the run no longer repeats the one that wrote the checkpoint."""
+    first = ["trainer.max_steps=2", "trainer.eval_every=2"]
+    train(fast_cfg(*first))
+    again = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"]
+    ckpt = r".*/checkpoints/step_00000002\.pt: written by another model "
+    with pytest.raises(ConfigError, match=ckpt + r"\(model\.n_heads 4 there, 2 here\): resume with that run's "
+                                                 r"settings \(its config\.yaml\), or start over \(trainer\.resume=never\)$"):
+        train(fast_cfg(*again, "model.n_heads=2"))
+    with pytest.raises(ConfigError, match=ckpt + r"\(src_vocab \d+ there, \d+ here, tgt_vocab \d+ there, \d+ here\); the "
+                                                 r"data or tokenizer settings differ from that run's"):
+        train(fast_cfg(*again, "data.train_size=600"))
+    with caplog.at_level(logging.WARNING, logger="src.state"):
+        summary = train(fast_cfg(*again, "data.batch_size=8", "model.dropout=0.0"))  # dropout: free to change
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2
+    assert [r.message.split(": ", 1)[1] for r in caplog.records if "resumed with other" in r.message] == [
+        "resumed with other data settings than the run that wrote it; the rest of this run will not be the one that "
+        "run would have trained"]
