@@ -155,6 +155,16 @@ def check_plan(plan: dict) -> None:
         check_int(f"plan.{key}", plan.get(key), 1, nullable=True)
 
 
+def check_settings(conf: dict) -> None:
+    """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
+    optimizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
+    check_trainer(conf["trainer"])
+    check_model(conf["model"])
+    check_optim(conf["optim"])
+    check_int("data.batch_size", conf["data"].get("batch_size"), 1)
+    check_plan(conf.get("plan") or {})
+
+
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
@@ -246,8 +256,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
-    check_plan(plan)  # before the data is read
-    check_model(conf["model"])
+    check_settings(conf)  # before the data is read
     keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
@@ -341,11 +350,7 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
-        check_trainer(conf["trainer"])
-        check_model(conf["model"])
-        check_optim(conf["optim"])
-        check_int("data.batch_size", conf["data"].get("batch_size"), 1)
-        check_plan(conf.get("plan") or {})
+        check_settings(conf)
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
