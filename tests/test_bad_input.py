@@ -110,6 +110,11 @@ def test_command_line_mistakes(what, overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+# the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
+EARLY = {c[0] for c in RUN if all(o.split(".")[0] in ("trainer", "model", "optim") or o.startswith("data.batch_size")
+                                  for o in c[1]) and "training data" not in c[2]}
+
+
 @pytest.mark.parametrize("what,overrides,message", RUN, ids=[c[0] for c in RUN])
 def test_settings_caught_before_training(what, overrides, message, tmp_path):
     base = FAST_TRAIN if any(o.startswith("data=") for o in overrides) else FAST  # other corpora, other keys
@@ -122,19 +127,8 @@ def test_settings_caught_before_training(what, overrides, message, tmp_path):
     assert '"status": "failed"' in (run / "summary.json").read_text()
     metrics = run / "metrics.jsonl"
     assert not metrics.exists() or '"loss"' not in metrics.read_text()  # stopped before the first step
-
-
-# the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
-EARLY = [c for c in RUN if all(o.split(".")[0] in ("trainer", "model", "optim") or o.startswith("data.batch_size")
-                               for o in c[1]) and "training data" not in c[2]]
-
-
-@pytest.mark.parametrize("what,overrides,message", EARLY, ids=[c[0] for c in EARLY])
-def test_settings_are_checked_before_the_data_is_read(what, overrides, message, tmp_path):
-    cfg = compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
-    with pytest.raises(UserError, match=f"^{re.escape(message)}"):
-        train(cfg)
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "tokenizer").exists()
+    if what in EARLY:
+        assert not (tmp_path / "cache").exists() and not (run / "tokenizer").exists()  # and before the data
 
 
 @pytest.mark.parametrize("what,files,message", FILES, ids=[c[0] for c in FILES])
