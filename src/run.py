@@ -217,7 +217,7 @@ def build_optimizer(model: Transformer, optim: dict, device: torch.device, fused
 
 
 def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id: int) -> ModelArgs:
-    check_model(model)
+    """The model group's settings (checked by ``check_settings`` before the data is read) and the vocabularies."""
     fields = {k: v for k, v in model.items() if k != "name"}
     try:
         return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
