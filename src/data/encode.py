@@ -211,6 +211,11 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
         process.start()
         send.close()  # the child's end: EOF here when the child dies
         try:
+            # Waiting in short polls, not in one blocking read: Python runs its signal handlers (Ctrl-C's
+            # KeyboardInterrupt) in the main thread between them, also when the kernel delivered the signal to
+            # another of the process's threads, which does not interrupt a read blocked in the main one.
+            while not receive.poll(0.2):
+                pass
             ok, value, peak = pickle.loads(receive.recv_bytes())
         except EOFError:
             process.join()
