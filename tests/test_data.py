@@ -306,12 +306,17 @@ def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
     import signal
 
     assert encode_mod.in_forked_child(_sleep_then_answer, 0.0)[0] == "answered"
+    # Ctrl-C as in a terminal: a process started in the background (a CI job, `cmd &`) inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        encode_mod.in_forked_child(_sleep_then_answer, 30.0)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            encode_mod.in_forked_child(_sleep_then_answer, 30.0)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 10, "the interrupt waited for the child"
     assert not multiprocessing.active_children()
 
