@@ -40,11 +40,6 @@ from torch.utils._pytree import tree_leaves
 
 from .errors import ConfigError, check_int
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a PyTorch build without torch.distributed: no sharded tensors
-    DTensor = ()
-
 log = logging.getLogger(__name__)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -181,8 +176,10 @@ def region(category: str):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """What a tensor holds in this process: a DTensor's (memory=fsdp) local shard, else the tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """What a tensor holds in this process: a DTensor's (memory=fsdp) local shard, else the tensor itself. A DTensor
+    exists only once its module is imported (by FSDP), so importing it here, 0.8 s at every start, is left to FSDP."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 _RESIZE = torch.UntypedStorage.resize_
