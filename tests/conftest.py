@@ -35,10 +35,18 @@ def compose_config(*overrides: str, run_dir: Path | None = None, cache_dir: Path
         return compose(config_name="train", overrides=[*overrides, *extra])
 
 
+@pytest.fixture(scope="session")
+def shared_cache(tmp_path_factory) -> Path:
+    """paths.cache_dir for the tests' runs, shared as runs share it: the encoded corpora are keyed by their text,
+    the tokenizer settings and the encoding code (tests/test_data.py checks that), so a test that does not test the
+    cache itself does not tokenize again what an earlier test has tokenized. Tests of the cache use their own."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
-def fast_cfg(tmp_path):
+def fast_cfg(tmp_path, shared_cache):
     def make(*overrides: str):
-        return compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+        return compose_config(*FAST, *overrides, run_dir=tmp_path / "run", cache_dir=shared_cache)
 
     return make
 

@@ -79,10 +79,10 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_p
 
 
 @pytest.mark.slow
-def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
+def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path, shared_cache):
     run = tmp_path / "run"
     proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
-                    "memory=accum", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}",
+                    "memory=accum", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}",
                     "trainer.peak_tflops=0.5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
@@ -95,15 +95,15 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path):
     # MFU: the model FLOP/s of both ranks against the peak of two devices
     assert all(r["mfu"] == pytest.approx(r["model_tflops"] / (0.5 * 2)) for r in rows if "loss" in r)
     assert summary["mfu"] == pytest.approx(summary["model_tflops"] / (0.5 * 2), rel=1e-3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "run"]  # no stray files from rank 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray files from rank 1
 
 
 @pytest.mark.slow
-def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path):
+def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path, shared_cache):
     """memory.oom_retries set under torchrun: rank 1 alone runs out of memory in step 2; both ranks redo the step
     with twice the accumulation and the run completes, as many tokens trained as without the error."""
     common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "trainer.eval_every=3",
-              "memory=accum", "memory.oom_retries=2", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
+              "memory=accum", "memory.oom_retries=2", "logger=none", f"paths.cache_dir={shared_cache}"]
     summaries = []
     for name, fault in (("plain", []), ("oom", ["fault.kind=oom", "fault.at_step=2", "fault.rank=1"])):
         proc = torchrun(*common, *fault, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
@@ -117,12 +117,12 @@ def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path):
     assert plain["oom_backoffs"] == [] and plain["final_accum_steps"] == 4
 
 
-def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
+def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_cache):
     """SIGTERM to rank 1 alone (a preempted node): both ranks stop after step 3, rank 0 writes that step's
     checkpoint and an interrupted summary, and the run resumed with trainer.resume=auto completes."""
     run = tmp_path / "run"
     common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5",
-              "trainer.save_every=10", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={tmp_path / 'cache'}"]
+              "trainer.save_every=10", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}"]
     proc = torchrun(*common, "fault.kind=sigterm", "fault.at_step=3", "fault.rank=1", cwd=tmp_path)
     assert proc.returncode != 0
     assert "SIGTERM at step 3: checkpoint written" in proc.stdout + proc.stderr
@@ -135,13 +135,13 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(tmp_path):
+def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(tmp_path, shared_cache):
     runs = {}
     for memory in ("none", "fsdp"):
         run = tmp_path / memory
         proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4",
                         "trainer.eval_every=4", f"memory={memory}", "logger=none", f"hydra.run.dir={run}",
-                        f"paths.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+                        f"paths.cache_dir={shared_cache}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[memory] = (json.loads((run / "summary.json").read_text()),
                         [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
@@ -165,12 +165,12 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path):
+def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path, shared_cache):
     """Checkpoints of a sharded run hold the gathered weights, Adam's state and every rank's random generators
     (dropout is on): resumed from its step-4 checkpoint (ckpt_path, in a directory of its own), a run logs the
     losses of the run that never stopped."""
     common = [*FAST, "data.train_size=200", "trainer.eval_every=4", "trainer.log_every=1", "trainer.save_every=4",
-              "trainer.max_steps=8", "memory=fsdp", "logger=none", f"paths.cache_dir={tmp_path / 'cache'}"]
+              "trainer.max_steps=8", "memory=fsdp", "logger=none", f"paths.cache_dir={shared_cache}"]
     checkpoint = tmp_path / "full" / "checkpoints" / "step_00000004.pt"
     for run, extra in (("full", []), ("resumed", [f"ckpt_path={checkpoint}"])):
         proc = torchrun(str(ROOT / "train.py"), *common, f"hydra.run.dir={tmp_path / run}", *extra, cwd=tmp_path)

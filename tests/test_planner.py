@@ -133,13 +133,13 @@ LONG = ["data.train_size=600", "data.long_fraction=0.05", "data.batch_size=32", 
 
 
 @pytest.mark.slow
-def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path):
+def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path, shared_cache):
     plain = train(fast_cfg(*LONG))
     # 60% of what the plain run needed: its worst case (every sentence as long as the longest) is planned at 265 MiB,
     # and neither more accumulation alone nor with amp fits; amp with checkpointing does (x16; x32 at 50%)
     budget_gb = round(plain["peak_memory_mb"] * 0.6 / 1024, 3)
     summary = train(compose_config(*FAST, *LONG, "memory=auto", f"memory.budget_gb={budget_gb}",
-                                   run_dir=tmp_path / "auto", cache_dir=tmp_path / "cache"))
+                                   run_dir=tmp_path / "auto", cache_dir=shared_cache))
     auto = summary["auto"]
     assert auto["tried"][0]["strategy"] == "auto(none)" and auto["tried"][0]["estimate_mb"] > budget_gb * 1024
     assert all(t["estimate_mb"] > auto["usable_mb"] for t in auto["tried"][:-1])  # every setting before the choice
@@ -234,10 +234,9 @@ def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
 # ------------------------------------------------------------------------------------- out-of-memory back-off
 
 
-def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_path):
+def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_path, shared_cache):
     plain = train(fast_cfg())
-    cfg = compose_config(*FAST, "fault.kind=oom", "fault.at_step=3", run_dir=tmp_path / "oom",
-                         cache_dir=tmp_path / "cache")
+    cfg = compose_config(*FAST, "fault.kind=oom", "fault.at_step=3", run_dir=tmp_path / "oom", cache_dir=shared_cache)
     backed_off = train(cfg)
     assert backed_off["status"] == "completed"
     assert backed_off["steps"] == plain["steps"]

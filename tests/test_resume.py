@@ -35,8 +35,8 @@ def final_state(run: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path):
-    common = [*FAST, *STEPS, f"paths.cache_dir={tmp_path / 'cache'}"]
+def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
+    common = [*FAST, *STEPS, f"paths.cache_dir={shared_cache}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     proc = run_cli("train.py", *common, f"hydra.run.dir={straight}")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -67,10 +67,10 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path):
+def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared_cache):
     run = tmp_path / "run"
     proc = run_cli("train.py", *FAST, *STEPS, "fault.kind=sigterm", "fault.at_step=7", f"hydra.run.dir={run}",
-                   f"paths.cache_dir={tmp_path / 'cache'}")
+                   f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 128 + signal.SIGTERM
     assert "SIGTERM at step 7: checkpoint written" in proc.stdout + proc.stderr
     summary = json.loads((run / "summary.json").read_text())
@@ -111,27 +111,27 @@ def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):
     assert written == ["step_00000002.pt", "best.pt", "step_00000004.pt"]
 
 
-def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path):
+def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path, shared_cache):
     cfg = fast_cfg("trainer.max_steps=6", "trainer.save_every=1", "trainer.keep_last=2", "trainer.eval_every=6")
     train(cfg)
     ckpts = Path(cfg.paths.output_dir) / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("*.pt")) == ["best.pt", "step_00000005.pt", "step_00000006.pt"]
     other = compose_config(*FAST, "trainer.max_steps=7", "trainer.eval_every=7", f"ckpt_path={ckpts / 'step_00000005.pt'}",
-                           run_dir=tmp_path / "other", cache_dir=tmp_path / "cache")
+                           run_dir=tmp_path / "other", cache_dir=shared_cache)
     summary = train(other)
     assert summary["resumed_from"]["step"] == 5 and summary["steps"] == 7
     # The first run's best.pt is not in this run's directory: the best is chosen among this run's validations,
     # even when nothing is left to train (the checkpoint's step was validated in the first run only).
     assert summary["best_step"] == 7 and (tmp_path / "other" / "checkpoints" / "best.pt").is_file()
     again = compose_config(*FAST, "trainer.max_steps=6", "trainer.eval_every=6", f"ckpt_path={ckpts / 'step_00000006.pt'}",
-                           run_dir=tmp_path / "again", cache_dir=tmp_path / "cache")
+                           run_dir=tmp_path / "again", cache_dir=shared_cache)
     summary = train(again)
     assert summary["steps"] == summary["best_step"] == 6 and summary["test_bleu"] >= 0
     with pytest.raises(ConfigError, match=r"^ckpt_path=/nonexistent.pt: no such file$"):
         train(fast_cfg("ckpt_path=/nonexistent.pt"))
 
 
-def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_path):
+def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_path, shared_cache):
     """trainer.resume=auto in the run's own directory (a requeued job) logs to the same W&B run: offline, both
     attempts' run files carry one id, the second from the step after the checkpoint. A run that starts from
     another run's checkpoint (ckpt_path) is a W&B run of its own."""
@@ -147,7 +147,7 @@ def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_pa
 
     other = compose_config(*FAST, *steps, "trainer.max_steps=6", "trainer.eval_every=6",
                            f"ckpt_path={run / 'checkpoints' / 'step_00000004.pt'}", run_dir=tmp_path / "other",
-                           cache_dir=tmp_path / "cache")
+                           cache_dir=shared_cache)
     assert train(other)["resumed_from"]["step"] == 4
     assert (tmp_path / "other" / "wandb_run_id").read_text().strip() != run_id
 

@@ -85,13 +85,13 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
 
 
 @pytest.mark.slow
-def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path):
+def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
     a checkpoint, submitit requeues the job, and the requeued job resumes from step 3 and completes."""
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *FAST,
                    "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2", "fault.at_step=3",
-                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}")
+                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6

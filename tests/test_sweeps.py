@@ -27,10 +27,10 @@ def wandb_file(run_dir: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path):
+def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path, shared_cache):
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "memory=none,amp,accum", "logger=wandb", "logger.wandb.samples=3", "tags=[t1,t2]",
-                   *FAST, f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}",
+                   *FAST, f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}",
                    env_extra={"WANDB_API_KEY": SENTINEL})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -85,13 +85,13 @@ def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def failing_sweep(tmp_path_factory) -> tuple[Path, object]:
+def failing_sweep(tmp_path_factory, shared_cache) -> tuple[Path, object]:
     """A sweep of four jobs: one completes, one runs out of memory, one raises, one has a bad setting."""
     tmp = tmp_path_factory.mktemp("failing")
     sweep = tmp / "sweep"
     proc = run_cli("train.py", "-m", "fault.kind=null,oom,error,bogus", "fault.at_step=3", "fault.times=10",
                    "logger=wandb", *FAST,
-                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp / 'cache'}")
+                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
     return sweep, proc
 
 
@@ -186,10 +186,10 @@ def test_report_names_what_it_cannot_read(tmp_path):
 
 
 @pytest.mark.slow
-def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path):
+def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache):
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "fault.kind=error,null", "fail_on_error=true", *FAST, "trainer.max_steps=2",
-                   "trainer.eval_every=2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={tmp_path / 'cache'}")
+                   "trainer.eval_every=2", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 1
     statuses = [json.loads((sweep / j / "summary.json").read_text())["status"] for j in "01"]
     assert statuses == ["failed", "completed"]
@@ -227,13 +227,13 @@ def test_memory_sweep_preset_sweeps_strategies_at_one_effective_batch(tmp_path):
     assert cfg.data.batch_size == 64 and cfg.data.max_tokens is None
 
 
-def test_a_preset_reproduces_its_loss_curve(tmp_path):
+def test_a_preset_reproduces_its_loss_curve(tmp_path, shared_cache):
     """Same preset, same seed: the same loss curve, exactly; another seed gives another curve."""
 
     def curve(name: str, *overrides: str) -> list[tuple]:
         cfg = compose_config("experiment=memory_sweep", "logger=none", *FAST, "data.long_fraction=0.05",
                              "trainer.max_steps=6", "trainer.eval_every=6", *overrides,
-                             run_dir=tmp_path / name, cache_dir=tmp_path / "cache")
+                             run_dir=tmp_path / name, cache_dir=shared_cache)
         assert train(cfg)["status"] == "completed"
         rows = read_jsonl(tmp_path / name / "metrics.jsonl")
         return [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]

@@ -164,15 +164,20 @@ def test_debug_profile_traces_the_chosen_steps(fast_cfg):
     assert [e["name"] for e in events if e["name"].startswith("ProfilerStep#")] == ["ProfilerStep#7"]
 
 
-def preset_cfg(tmp_path, preset: str, *overrides: str):
+@pytest.fixture
+def preset_cfg(tmp_path, shared_cache):
     """A fast config with a debug preset whose trainer settings are not overridden by the fast ones."""
     ours = ("trainer.max_steps=", "trainer.eval_every=")
     fast = [o for o in FAST if not o.startswith(ours)]
-    return compose_config(*fast, f"debug={preset}", *overrides, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+
+    def make(preset: str, *overrides: str):
+        return compose_config(*fast, f"debug={preset}", *overrides, run_dir=tmp_path / "run", cache_dir=shared_cache)
+
+    return make
 
 
-def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(tmp_path):
-    cfg = preset_cfg(tmp_path, "fdr")
+def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(preset_cfg):
+    cfg = preset_cfg("fdr")
     summary = train(cfg)
     run = Path(cfg.paths.output_dir)
     assert summary["status"] == "completed" and summary["steps"] == 1
@@ -184,11 +189,11 @@ def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(tmp_path):
     assert scores(summary).endswith(") on the first 16 pairs (trainer.limit_eval)")  # train.py's closing line
 
 
-def test_debug_overfit_memorizes_one_batch(tmp_path):
+def test_debug_overfit_memorizes_one_batch(preset_cfg):
     """debug=overfit: every step trains on the same batch (each window of 25 steps sees the same target tokens),
     and validation and test score those pairs, which the model reproduces. 100 steps of the same run without
     the preset score test BLEU about 1."""
-    cfg = preset_cfg(tmp_path, "overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
+    cfg = preset_cfg("overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
     summary = train(cfg)
     assert summary["overfit_batches"] == 1 and summary["batches_per_epoch"] == 1 and summary["epochs"] == 100
     assert summary["eval_pairs"] == {"valid": 16, "test": 16}
@@ -198,7 +203,7 @@ def test_debug_overfit_memorizes_one_batch(tmp_path):
     assert scores(summary) == "BLEU 100.00 on the 16 training pairs it overfit (trainer.overfit_batches)"
 
 
-def test_debug_overfit_catches_a_decoder_that_sees_the_future(tmp_path, monkeypatch):
+def test_debug_overfit_catches_a_decoder_that_sees_the_future(preset_cfg, monkeypatch):
     """The kind of bug debug=overfit is for: without the causal mask in training the decoder can read the next
     target token. Its training loss falls as a correct model's does (nll 0.32 after 100 steps; correct: 0.33), so
     the loss curve does not show the bug, but greedy decoding, which cannot see the future, reproduces the pairs
@@ -208,7 +213,7 @@ def test_debug_overfit_catches_a_decoder_that_sees_the_future(tmp_path, monkeypa
     attend = MultiHeadAttention.attend
     monkeypatch.setattr(MultiHeadAttention, "attend",
                         lambda self, q, k, v, mask, causal=False: attend(self, q, k, v, mask, False))
-    cfg = preset_cfg(tmp_path, "overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
+    cfg = preset_cfg("overfit", "trainer.max_steps=100", "trainer.eval_every=100", "trainer.log_every=25")
     summary = train(cfg)
     last = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r][-1]
     assert last["nll"] < 0.5 and summary["test_bleu"] < 60, (last, summary)
