@@ -293,10 +293,12 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                     configured: Estimate | None = None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
     accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
-    and accumulation. Returns it, its estimate, and every setting tried with its estimated peak, in order. A stage
-    that does not fit as configured, and not even with micro-batches of one pair, is passed over after those two
-    estimates. ``configured``: the estimate of ``strategy`` as it is, where the caller has made it already
-    (plan.py), used instead of estimating it again."""
+    and accumulation; within a stage, the fewest doublings of the accumulation that fit. Returns it, its estimate,
+    and the settings estimated that did not fit, in that order, with the choice last. A stage that does not fit as
+    configured, and not even with micro-batches of one pair, is passed over after those two estimates. In the stage
+    that fits, the line through those two estimates (the peak is close to affine in pairs per micro-batch) predicts
+    the doubling to estimate first, and its neighbours confirm it. ``configured``: the estimate of ``strategy`` as
+    it is, where the caller has made it already (plan.py), used instead of estimating it again."""
     base = dataclasses.replace(strategy, auto=True)
     stages = [{}]
     if not base.amp:
@@ -333,12 +335,25 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         if least.peak_bytes > budget_bytes:  # no accumulation makes this stage fit
             record(smallest, least)
             continue
-        accum = est.shape.accum_steps
-        while True:  # ends at one pair per micro-batch at the latest, which fits
-            accum *= 2
-            candidate, est = plan(extra, accum)
-            if record(candidate, est):
-                return candidate, est, tried
+        doublings = [est.shape.accum_steps]  # the first does not fit; the last, one pair per micro-batch, does
+        while worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, doublings[-1]).pairs > 1:
+            doublings.append(doublings[-1] * 2)
+        per_pair = (est.peak_bytes - least.peak_bytes) / (est.shape.pairs - 1)
+        most_pairs = 1 + (budget_bytes - least.peak_bytes) / per_pair if per_pair > 0 else est.shape.pairs
+        pairs = [worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, a).pairs for a in doublings]
+        k = next((i for i in range(1, len(doublings)) if pairs[i] <= most_pairs), len(doublings) - 1)
+        lo, hi = 0, len(doublings) - 1  # the last that does not fit, the first that does, as far as known
+        while hi - lo > 1:
+            candidate, est = plan(extra, doublings[k])
+            if est.peak_bytes <= budget_bytes:
+                hi, k = k, k - 1
+            else:
+                record(candidate, est)
+                lo, k = k, k + 1
+            k = min(max(k, lo + 1), hi - 1)
+        candidate, est = plan(extra, doublings[hi])
+        record(candidate, est)
+        return candidate, est, tried
     # not even the last stage with micro-batches of one pair, the least memory any setting needs
     lowest, floor = plan(stages[-1], one_pair)
     largest = [f"{cat} {mb:,.0f}" for cat, mb in sorted(floor.split_mb().items(), key=lambda kv: -kv[1])[:3] if mb > 0]
