@@ -80,11 +80,13 @@ def test_worst_case_shape_follows_the_batching_rules():
 
 
 def test_plan_command_prints_the_split_and_the_verdict(capsys):
+    """plan.py's main, in this process (its command line runs in the next test)."""
+    import plan
+
     common = ["model=base", "tokenizer=xlmr", "plan.src_len=255", "plan.tgt_len=255", f"plan.src_vocab={XLMR_VOCAB}",
               f"plan.tgt_vocab={XLMR_VOCAB}", "data.batch_size=16", "plan.gpu_gb=12"]
-    proc = run_cli("plan.py", *common)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    assert plan.main(common) == 0
+    out = capsys.readouterr().out
     assert "1 micro-batch(es) of 16 pairs, 256 source and 256 target positions" in out
     assert "does NOT fit a 12 GB card" in out and "logits" in out
     # and what memory=auto would do about it: more accumulation, whose estimate fits with the margins
@@ -92,9 +94,7 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
                     r"\(micro-batches of up to 8 pairs\): ([\d,.]+) MiB, the same effective batch", out)
     assert fix, out
     assert float(fix.group(1).replace(",", "")) * 1.10 / 1024 + 0.5 <= 12
-    # the sweep's table, from plan.py's main in this process (the command line is the one above)
-    import plan
-
+    # the sweep's table
     assert plan.main(["-m", "memory=none,[amp,checkpoint,chunked_ce]", *common]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
     assert [r.split(" | ")[0] for r in rows] == ["| amp+checkpoint+chunked_ce", "| none"]  # ranked by peak
