@@ -23,6 +23,18 @@ from .distributed import World, average_gradients
 from .memory import MemoryStrategy, region
 from .model import Transformer
 
+LOSS_PIECE = 1 << 24  # logits per fp32 piece of the loss: 64 MiB (a module global: torch.compile traces it)
+
+
+def _pieces(rows: int, vocab: int) -> list[slice]:
+    """The row ranges of ``rows x vocab`` logits that the loss takes ``LOSS_PIECE`` logits at a time. Under
+    torch.compile one range, whatever the size: Inductor fuses the fp32 conversion into the reductions, so no fp32
+    copy is made, and a loop over a dynamic size would compile again for each size."""
+    if torch.compiler.is_compiling():
+        return [slice(None)]
+    step = max(1, LOSS_PIECE // vocab)
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
 
 class _LabelSmoothedLoss(torch.autograd.Function):
     """Forward as ``label_smoothed_loss`` says; backward in closed form. With ``p = softmax(logits)``, the
@@ -30,12 +42,10 @@ class _LabelSmoothedLoss(torch.autograd.Function):
     NLL, ``p - onehot(target)``): one pass over the ``tokens x vocabulary`` logits where autograd's chain of
     gather, mean and log_softmax backward makes four, each with a tensor of that size.
 
-    What is kept for backward is the logits in their own dtype, and the fp32 arithmetic runs ``CHUNK`` logits
+    What is kept for backward is the logits in their own dtype, and the fp32 arithmetic runs ``LOSS_PIECE`` logits
     at a time, so low-precision logits (autocast) never get a whole fp32 copy: under bf16 the loss holds 2 bytes
     per logit from forward to backward and 4 in backward (logits and their gradient), where saving fp32
     log-probabilities held 4 and 10. In fp32 it holds 4 and 8, as before."""
-
-    CHUNK = 1 << 24  # logits per fp32 piece: 64 MiB
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, pad_id: int, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -43,11 +53,10 @@ class _LabelSmoothedLoss(torch.autograd.Function):
         flat, t = logits.reshape(-1, vocab), target.reshape(-1)
         lse = flat.new_empty(flat.size(0), dtype=torch.float32)
         mean = torch.empty_like(lse)
-        rows = max(1, _LabelSmoothedLoss.CHUNK // vocab)
-        for start in range(0, flat.size(0), rows):
-            part = flat[start : start + rows].float()
-            torch.logsumexp(part, dim=-1, out=lse[start : start + rows])
-            torch.mean(part, dim=-1, out=mean[start : start + rows])
+        for rows in _pieces(flat.size(0), vocab):
+            part = flat[rows].float()
+            torch.logsumexp(part, dim=-1, out=lse[rows])
+            torch.mean(part, dim=-1, out=mean[rows])
         nll = lse - flat.gather(-1, t.unsqueeze(-1)).squeeze(-1).float()  # -log p(target)
         smooth = lse - mean  # mean over the vocabulary of -log p
         loss = (1.0 - epsilon) * nll + epsilon * smooth
@@ -68,16 +77,14 @@ class _LabelSmoothedLoss(torch.autograd.Function):
         scale, shift = keep * (grad_loss + grad_nll), keep * (-grad_loss * eps / vocab)
         at_target = keep * -(grad_loss * (1.0 - eps) + grad_nll)
         grad = torch.empty_like(flat)
-        rows = max(1, _LabelSmoothedLoss.CHUNK // vocab)
-        for start in range(0, flat.size(0), rows):
-            end = start + rows
-            into = grad[start:end]
+        for rows in _pieces(flat.size(0), vocab):
+            into = grad[rows]
             if into.dtype == torch.float32:  # computed in place in the gradient
-                g = torch.softmax(flat[start:end], dim=-1, out=into)
+                g = torch.softmax(flat[rows], dim=-1, out=into)
             else:  # a fp32 piece, rounded into the gradient at the end
-                g = torch.softmax(flat[start:end], dim=-1, dtype=torch.float32)
-            torch.addcmul(shift[start:end], g, scale[start:end], out=g)
-            g.scatter_add_(-1, t[start:end].unsqueeze(-1), at_target[start:end])
+                g = torch.softmax(flat[rows], dim=-1, dtype=torch.float32)
+            torch.addcmul(shift[rows], g, scale[rows], out=g)
+            g.scatter_add_(-1, t[rows].unsqueeze(-1), at_target[rows])
             if g.dtype != into.dtype:
                 into.copy_(g)
         return grad.view(ctx.shape), None, None, None
