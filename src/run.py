@@ -526,7 +526,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
         if not strategy.fsdp:
             return model
         if not plain:
-            plain.append(build_model(conf["model"], encoded).to(device))
+            # its initial weights are overwritten at once: drawn from a fork of the generator, so that evaluating
+            # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
+            with torch.random.fork_rng(devices=[]):
+                plain.append(build_model(conf["model"], encoded).to(device))
         plain[0].load_state_dict(model_state)
         return plain[0]
 

@@ -134,18 +134,29 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_ca
     assert summary["resumed_from"]["step"] == 3 and summary["steps"] == 5
 
 
-@pytest.mark.slow
-def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(tmp_path, shared_cache):
-    runs = {}
+FSDP_RUN = [*FAST, "data.train_size=200", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=1",
+            "trainer.save_every=4", "logger=none"]
+
+
+@pytest.fixture(scope="module")
+def ddp_and_fsdp(tmp_path_factory, shared_cache) -> Path:
+    """Two 2-rank runs of train.py, the same but for memory=none (DDP) and memory=fsdp: 8 steps, each logged, with
+    a checkpoint every 4 (dropout is on)."""
+    tmp = tmp_path_factory.mktemp("ddp_fsdp")
     for memory in ("none", "fsdp"):
-        run = tmp_path / memory
-        proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4",
-                        "trainer.eval_every=4", f"memory={memory}", "logger=none", f"hydra.run.dir={run}",
-                        f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+        proc = torchrun(str(ROOT / "train.py"), *FSDP_RUN, f"memory={memory}", f"hydra.run.dir={tmp / memory}",
+                        f"paths.cache_dir={shared_cache}", cwd=tmp)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[memory] = (json.loads((run / "summary.json").read_text()),
-                        [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()])
-    ddp, fsdp = runs["none"][0], runs["fsdp"][0]
+    return tmp
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").open()) if "loss" in r]
+
+
+@pytest.mark.slow
+def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp(ddp_and_fsdp):
+    ddp, fsdp = (json.loads((ddp_and_fsdp / memory / "summary.json").read_text()) for memory in ("none", "fsdp"))
     assert fsdp["status"] == "completed" and fsdp["strategy"] == "fsdp" and fsdp["test_bleu"] is not None
     # Rank 0's tracked memory at its peak: parameters (and buffers, which are not sharded: the two sinusoidal
     # position tables) and Adam's state, against DDP's full copies.
@@ -159,26 +170,24 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
     # DDP's gradient buckets, a copy of the gradients that its reducer holds all along, count as gradients (the
     # peak falls in forward, where the gradients themselves are freed)
     assert ddp["peak_memory_split_mb"]["gradients"] >= params - 0.1
-    # The same training: FSDP's sharded update equals DDP's replicated one.
-    losses = {m: [r["loss"] for r in rows if "loss" in r] for m, (_, rows) in runs.items()}
-    assert losses["fsdp"] == pytest.approx(losses["none"], rel=1e-5)
+    # The same training: FSDP's sharded update equals DDP's replicated one, step for step.
+    ddp_losses, fsdp_losses = losses(ddp_and_fsdp / "none"), losses(ddp_and_fsdp / "fsdp")
+    assert [s for s, _ in fsdp_losses] == [s for s, _ in ddp_losses] == list(range(1, 9))
+    assert [v for _, v in fsdp_losses] == pytest.approx([v for _, v in ddp_losses], rel=1e-5)
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(tmp_path, shared_cache):
+def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(ddp_and_fsdp, tmp_path, shared_cache):
     """Checkpoints of a sharded run hold the gathered weights, Adam's state and every rank's random generators
     (dropout is on): resumed from its step-4 checkpoint (ckpt_path, in a directory of its own), a run logs the
     losses of the run that never stopped."""
-    common = [*FAST, "data.train_size=200", "trainer.eval_every=4", "trainer.log_every=1", "trainer.save_every=4",
-              "trainer.max_steps=8", "memory=fsdp", "logger=none", f"paths.cache_dir={shared_cache}"]
-    checkpoint = tmp_path / "full" / "checkpoints" / "step_00000004.pt"
-    for run, extra in (("full", []), ("resumed", [f"ckpt_path={checkpoint}"])):
-        proc = torchrun(str(ROOT / "train.py"), *common, f"hydra.run.dir={tmp_path / run}", *extra, cwd=tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = {run: [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
-                    if "loss" in r] for run in ("full", "resumed")}
-    assert [s for s, _ in losses["resumed"]] == [5, 6, 7, 8]
-    assert losses["resumed"] == losses["full"][4:]
+    checkpoint = ddp_and_fsdp / "fsdp" / "checkpoints" / "step_00000004.pt"
+    proc = torchrun(str(ROOT / "train.py"), *FSDP_RUN, "memory=fsdp", f"hydra.run.dir={tmp_path / 'resumed'}",
+                    f"ckpt_path={checkpoint}", f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = losses(tmp_path / "resumed")
+    assert [s for s, _ in resumed] == [5, 6, 7, 8]
+    assert resumed == losses(ddp_and_fsdp / "fsdp")[4:]
     summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
 
