@@ -16,7 +16,7 @@ from src.data.batching import micro_batches, pair_sizes
 from src.distributed import World, shard_steps
 from src.memory import MemoryStrategy
 
-from .conftest import FAST
+from .conftest import FAST, compose_config
 from .ddp_worker import ORDER
 from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer
 
@@ -219,10 +219,12 @@ def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_
     from_cache = [torch.load(tmp_path / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
     assert from_cache == [False, False]  # LOCAL_RANK 0 on each node: neither waits for the other
     assert [p.name.endswith(".pt") for p in (tmp_path / "cache").iterdir()] == [True]
-    (tmp_path / "main_first0.pt").unlink()
-    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "main-first", nproc=1)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert torch.load(tmp_path / "main_first0.pt")["from_cache"]
+    from omegaconf import OmegaConf
+
+    from src.run import prepare_data
+
+    cfg = compose_config("data.train_size=200", run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")  # as the workers
+    assert prepare_data(OmegaConf.to_container(cfg, resolve=True), MemoryStrategy())[1].from_cache
 
 
 @pytest.mark.slow
