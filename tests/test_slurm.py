@@ -34,14 +34,14 @@ def test_the_slurm_preset_extends_submitits_launcher():
 
 
 def test_train_py_composes_the_slurm_launcher_on_the_command_line():
-    proc = run_cli("train.py", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", "memory=amp", "--cfg", "hydra")
-    assert proc.returncode == 0, proc.stderr
-    assert "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
-    proc = run_cli("train.py", "hydra/launcher=submitit_slurm", "--cfg", "hydra")  # the plugin's own preset
-    assert proc.returncode == 0 and "SlurmLauncher" in proc.stdout, proc.stderr
     # Hydra refuses -m with --cfg; hydra.mode=MULTIRUN composes the sweep's config instead
-    proc = run_cli("train.py", "hydra.mode=MULTIRUN", "hydra/launcher=slurm", "--cfg", "hydra")
-    assert proc.returncode == 0 and "mode: MULTIRUN" in proc.stdout and "SlurmLauncher" in proc.stdout, proc.stderr
+    proc = run_cli("train.py", "hydra.mode=MULTIRUN", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
+                   "memory=amp", "--cfg", "hydra")
+    assert proc.returncode == 0, proc.stderr
+    assert "mode: MULTIRUN" in proc.stdout and "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # the plugin's own preset composes too
+        cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
 
 
 def test_submitits_signal_waits_for_the_checkpoint_then_reaches_submitit():
