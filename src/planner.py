@@ -295,7 +295,8 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
     accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
     and accumulation; within a stage, the fewest doublings of the accumulation that fit. Returns it, its estimate,
     and the settings estimated that did not fit, in that order, with the choice last. A stage that does not fit as
-    configured, and not even with micro-batches of one pair, is passed over after those two estimates. In the stage
+    configured, and not even with micro-batches of one pair, is passed over after those two estimates; a later
+    stage whose micro-batches of one pair do not fit, after that one. In the stage
     that fits, the line through those two estimates (the peak is close to affine in pairs per micro-batch) predicts
     the doubling to estimate first, and its neighbours confirm it. ``configured``: the estimate of ``strategy`` as
     it is, where the caller has made it already (plan.py), used instead of estimating it again."""
@@ -325,7 +326,12 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                       "estimate_mb": round(est.peak_mb, 1)})
         return est.peak_bytes <= budget_bytes
 
-    for extra in stages:
+    for i, extra in enumerate(stages):
+        if i > 0:  # where the stage before did not fit, a stage's least memory, one pair per micro-batch, first
+            smallest, least = plan(extra, one_pair)
+            if least.peak_bytes > budget_bytes:  # no accumulation makes this stage fit, nor the setting as is
+                record(smallest, least)
+                continue
         candidate, est = plan(extra, base.accum_steps)
         if record(candidate, est):
             return candidate, est, tried
