@@ -326,28 +326,30 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                       "estimate_mb": round(est.peak_mb, 1)})
         return est.peak_bytes <= budget_bytes
 
+    def out_of_reach(extra: dict) -> bool:
+        """Whether not even micro-batches of one pair, the stage's least memory, fit (recorded if so)."""
+        smallest, least = plan(extra, one_pair)
+        if least.peak_bytes <= budget_bytes:
+            return False
+        record(smallest, least)
+        return True
+
     for i, extra in enumerate(stages):
-        if i > 0:  # where the stage before did not fit, a stage's least memory, one pair per micro-batch, first
-            smallest, least = plan(extra, one_pair)
-            if least.peak_bytes > budget_bytes:  # no accumulation makes this stage fit, nor the setting as is
-                record(smallest, least)
-                continue
+        if i > 0 and out_of_reach(extra):  # where the stage before did not fit, its least memory first
+            continue
         candidate, est = plan(extra, base.accum_steps)
         if record(candidate, est):
             return candidate, est, tried
-        if est.shape.pairs == 1:
+        if est.shape.pairs == 1 or (i == 0 and out_of_reach(extra)):  # no accumulation makes this stage fit
             continue
-        smallest, least = plan(extra, one_pair)
-        if least.peak_bytes > budget_bytes:  # no accumulation makes this stage fit
-            record(smallest, least)
-            continue
-        doublings = [est.shape.accum_steps]  # the first does not fit; the last, one pair per micro-batch, does
-        while worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, doublings[-1]).pairs > 1:
+        least = plan(extra, one_pair)[1]
+        doublings, pairs = [est.shape.accum_steps], [est.shape.pairs]  # the first does not fit; the last does
+        while pairs[-1] > 1:  # up to one pair per micro-batch
             doublings.append(doublings[-1] * 2)
+            pairs.append(worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, doublings[-1]).pairs)
         per_pair = (est.peak_bytes - least.peak_bytes) / (est.shape.pairs - 1)
         most_pairs = 1 + (budget_bytes - least.peak_bytes) / per_pair if per_pair > 0 else est.shape.pairs
-        pairs = [worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, a).pairs for a in doublings]
-        k = next((i for i in range(1, len(doublings)) if pairs[i] <= most_pairs), len(doublings) - 1)
+        k = next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)
         lo, hi = 0, len(doublings) - 1  # the last that does not fit, the first that does, as far as known
         while hi - lo > 1:
             candidate, est = plan(extra, doublings[k])
