@@ -16,6 +16,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -316,6 +317,10 @@ def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = 
     return sets
 
 
+def holds_earlier_run(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").exists() or bool(step_checkpoints(checkpoint_dir(run_dir)))
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its step checkpoints and best.pt."""
     return run_dir / "checkpoints"
@@ -339,6 +344,9 @@ def train(cfg: DictConfig) -> dict:
     job = hydra_job()
     summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
     logger: RunLogger | None = None
+    # False while this attempt may still be refused before it starts (a resume whose checkpoint does not fit):
+    # until then it writes nothing over an earlier attempt's files, summary.json included
+    claimed = False
     world = world_from_env()  # torchrun: this process's rank; rank 0 alone writes the run's files
     threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
     try:
@@ -359,16 +367,24 @@ def train(cfg: DictConfig) -> dict:
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
             resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
-            if resumed is None:
-                clear_for_fresh_start(ckpt_dir, resume, world.main)
-            if world.main:
+
+            def begin() -> RunLogger | NullLogger:
+                """The run starts: its config and its logger (metrics.jsonl, W&B), on rank 0."""
+                nonlocal claimed, logger
+                claimed = True
+                if not world.main:
+                    return NullLogger()
                 OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
                 group = conf.get("sweep_name") or job.get("sweep_dir")
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
                 logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
                                    resuming=resumed is not None and not conf.get("ckpt_path"))
-            summary.update(_run(conf, strategy, run_dir, logger or NullLogger(), world, device, resumed))
+                return logger
+
+            if resumed is None:
+                clear_for_fresh_start(ckpt_dir, resume, world.main)
+            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -384,7 +400,7 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(threads)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        if world.main:
+        if world.main and (claimed or not holds_earlier_run(run_dir)):
             write_json(run_dir / "summary.json", summary)
         if logger is not None:
             logger.finish(summary)
@@ -427,9 +443,12 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
     return corpus, encoded, train_split, info
 
 
-def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger, world: World,
-         device: torch.device, resumed: tuple[Path, dict] | None) -> dict:
+def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[], RunLogger | NullLogger],
+         world: World, device: torch.device, resumed: tuple[Path, dict] | None) -> dict:
+    """``begin`` starts the run's files: at once for a fresh run (a failed job is a failed run of its sweep),
+    only after its checkpoint is accepted for a resumed one (a refused resume leaves the earlier run's files)."""
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
+    logger = begin() if resumed is None else None
     strategy.check_device(device)
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
@@ -444,8 +463,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
     info["reuse_host_memory"] = reuse_host_memory
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    if world.main:
-        save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     if strategy.auto:
         strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device, world.size)
         log.info("memory=auto: %s", info["auto"])
@@ -558,6 +575,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
     if resumed is not None:
         path, ckpt = resumed
         check_resumable(path, ckpt, model.args.to_dict(), conf)
+        logger = begin()
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])
         trainer.scaler.load_state_dict(ckpt["scaler"])
@@ -574,6 +592,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, logger: RunLogger,
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
 
+    if world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
+        save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
     logger.rewind(p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
     total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * batches_per_epoch)))  # whichever ends first
     bar = tqdm(total=total_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,

@@ -204,12 +204,21 @@ def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
         train(cfg)
 
 
+def files_of(run: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*")) if f.is_file()}
+
+
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_settings_are_named(fast_cfg, caplog):
     """Resuming with another model size, or with data whose vocabularies differ, stops before anything is loaded
-    (load_state_dict's page of size mismatches; model.n_heads would load and compute something else). Another
-    batch size resumes, with a warning that the run no longer repeats the one that wrote the checkpoint."""
+    (load_state_dict's page of size mismatches; model.n_heads would load and compute something else), and leaves
+    the run's directory as it was: its config, summary, metrics and tokenizer (which its checkpoints need to
+    translate) are those of the run that wrote them. Another batch size resumes, with a warning that the run no
+    longer repeats the one that wrote the checkpoint."""
     first = ["trainer.max_steps=2", "trainer.eval_every=2"]
-    train(fast_cfg(*first))
+    cfg = fast_cfg(*first)
+    train(cfg)
+    run = Path(cfg.paths.output_dir)
+    before = files_of(run)
     again = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"]
     ckpt = r".*/checkpoints/step_00000002\.pt: written by another model "
     with pytest.raises(ConfigError, match=ckpt + r"\(model\.n_heads 4 there, 2 here\): resume with that run's "
@@ -218,6 +227,12 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_set
     with pytest.raises(ConfigError, match=ckpt + r"\(src_vocab \d+ there, \d+ here, tgt_vocab \d+ there, \d+ here\); the "
                                                  r"data or tokenizer settings differ from that run's"):
         train(fast_cfg(*again, "data.train_size=600"))
+    after = files_of(run)
+    assert [k for k in before if after.get(k) != before[k]] == [] and after.keys() == before.keys()
+    (run / "summary.json").unlink()  # as a killed run leaves it: its checkpoints alone say it is there
+    with pytest.raises(ConfigError, match=ckpt):
+        train(fast_cfg(*again, "model.n_heads=2"))
+    assert not (run / "summary.json").exists()
     with caplog.at_level(logging.WARNING, logger="src.state"):
         summary = train(fast_cfg(*again, "data.batch_size=8", "model.dropout=0.0"))  # dropout: free to change
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2
