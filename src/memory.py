@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .distributed import ddp_bucket_bytes
 from .errors import ConfigError, check_int
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
+_ALIASING: dict = {}
+
+
+def _aliases(func) -> bool:
+    """Whether an operator's results are (views of) its arguments: views, in-place operators and the in-place
+    collectives of ``c10d``. They allocate nothing, also where the storage is one the tracker never saw (one that
+    existed before tracking started, such as DDP's gradient buckets written in backward). Not ``lift_fresh``: its
+    argument is the tensor that ``torch.tensor(...)`` has just made without an operator (Adam's ``step``, say)."""
+    aliases = _ALIASING.get(func)
+    if aliases is None:
+        aliases = _ALIASING[func] = func.namespace == "c10d" or (
+            func is not torch.ops.aten.lift_fresh.default and any(r.alias_info is not None for r in func._schema.returns))
+    return aliases
+
+
 _RESIZE = torch.UntypedStorage.resize_
 
 
@@ -211,6 +227,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.live_by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_by_category = dict(self.live_by_category)
         self._seen: dict[int, list] = {}  # live storage (its address, ``_cdata``) -> [bytes, category]
+        self.held = 0  # bytes of DDP's gradient buckets counted without their storages (``hold_buckets``)
         self._hooks: list = []
 
     def __enter__(self):
@@ -262,10 +279,28 @@ class TensorMemoryTracker(TorchDispatchMode):
             self.peak = self.live
             self.peak_by_category = dict(self.live_by_category)
 
-    def hold(self, nbytes: int, category: str) -> None:
-        """Count ``nbytes`` that live for the whole run in storages no operator shows this tracker (DDP's gradient
-        buckets, allocated by its C++ reducer)."""
-        self._grow(nbytes, category)
+    def hold_buckets(self, nbytes: int) -> None:
+        """Count DDP's gradient buckets, ``nbytes`` that its C++ reducer allocated before tracking started (no
+        operator showed them to this tracker), as gradients. They are held as a number of bytes until backward's
+        all-reduce shows their storages (``_buckets``); from then on they are tracked like any other storage."""
+        self.held += nbytes
+        self._grow(nbytes, "gradients")
+
+    def _buckets(self, out) -> None:
+        """The storages that a collective (a ``c10d`` operator) wrote in place during backward: DDP's gradient
+        buckets. Unseen ones were allocated at DDP's construction: their bytes move from the held count to tracked
+        storages, so that their end is seen when DDP rebuilds them at the second step's forward. The rebuilt ones,
+        allocated there and counted as activations until now, become gradients."""
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
+                continue
+            if _local(t).untyped_storage()._cdata in self._seen:
+                self.retag(t, "gradients")
+                continue
+            taken = min(self.held, _local(t).untyped_storage().nbytes())
+            self.held -= taken
+            self._grow(-taken, "gradients")
+            self._track(t, "gradients")
 
     def retag(self, tensor: torch.Tensor, category: str) -> None:
         """Move a tracked tensor's storage to another category (e.g. a parameter's new gradient)."""
@@ -289,10 +324,13 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):  # most operators: no tree to walk
-            self._track(out, self.category)
-        else:
-            self.track(out)
+        if not _aliases(func):
+            if isinstance(out, torch.Tensor):  # most operators: no tree to walk
+                self._track(out, self.category)
+            else:
+                self.track(out)
+        elif func.namespace == "c10d" and self.category == "backward":
+            self._buckets(out)
         return out
 
     def reset_peak(self) -> None:
@@ -318,8 +356,9 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
                  marks: dict[str, int] | None = None) -> TensorMemoryTracker:
-    """One training step under a new tracker that starts with the model's parameters and the optimizer's state
-    (call it after a first step has created Adam's moments): the tracker, with the step's peak and its split, and
+    """One training step under a new tracker that starts with the model's parameters, the optimizer's state (call
+    it after a first step has created Adam's moments) and DDP's gradient buckets: the tracker, with the step's peak
+    and its split, and
     ``at_start``, the bytes live when the step began.
     ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch."""
     tracker = TensorMemoryTracker(device_type)
@@ -327,6 +366,7 @@ def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
         trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
     tracker.watch(trainer.model)
     tracker.track(optimizer_state(trainer.optimizer), category="optimizer")
+    tracker.hold_buckets(ddp_bucket_bytes(trainer.net))
     tracker.at_start = tracker.live  # what the step starts from: parameters and optimizer state
     with tracker:
         trainer.step(micro_batches)
@@ -404,7 +444,7 @@ class PeakMemory:
         counted as gradients (the CUDA allocator sees them, the tracker does not)."""
         if self.tracker is not None:
             self.tracker.watch(model)
-            self.tracker.hold(buckets, "gradients")
+            self.tracker.hold_buckets(buckets)
         self._optimizer = optimizer
 
     def _live(self) -> int:

@@ -143,7 +143,9 @@ class LossModule(nn.Module):
         self.model, self.pad_id, self.epsilon, self.loss_chunk = model, pad_id, epsilon, loss_chunk
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
-        return batch_loss(self.model, Batch(src, tgt_in, tgt_out, 0, 0), self.pad_id, self.epsilon, self.loss_chunk)
+        with region("activations"):  # inside DDP's forward, which begins in the gradients' region (Trainer)
+            return batch_loss(self.model, Batch(src, tgt_in, tgt_out, 0, 0), self.pad_id, self.epsilon,
+                              self.loss_chunk)
 
 
 def inverse_sqrt_schedule(warmup_steps: int):
@@ -215,6 +217,7 @@ class Trainer:
             # at construction, as DDP does with its parameters. (torch 2.13 deprecates broadcast_buffers=False.)
             self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None,
                                                forward_sync_buffers=False)
+        self.ddp = isinstance(self.net, DistributedDataParallel)
 
     def compile(self) -> None:
         """trainer.compile: run the forward pass and the loss through ``torch.compile`` (dynamic shapes, since
@@ -308,7 +311,8 @@ class Trainer:
                     message, self.inject_oom = self.inject_oom, None
                     raise torch.OutOfMemoryError(message)
                 mark("forward_start")
-                with self.strategy.autocast(self.device):
+                # DDP's forward begins by rebuilding its gradient buckets (in the second step): gradients
+                with self.strategy.autocast(self.device), region("gradients") if self.ddp else contextlib.nullcontext():
                     loss_sum, nll_sum = self.net(batch.src, batch.tgt_in, batch.tgt_out)
                 if self.inject_nonfinite:
                     loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False

@@ -82,16 +82,18 @@ def main(out: Path, accum: int, agree: bool = False) -> None:
 
 
 def fsdp_peak(out: Path) -> None:
-    """The planner's check under memory=fsdp: each rank's tracked peak of a real training step (the validation
-    case's model and batch), against what src/planner.py estimates for one of two ranks."""
+    """The planner's check on two ranks, under memory=fsdp and under DDP: each rank's tracked peak of a real
+    training step (the validation case's model and batch), against what src/planner.py estimates for one rank."""
     from src.model import ModelArgs
     from src.planner import TINY, StepShape, measure_step
 
     world = world_from_env()
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
     with process_group(world, torch.device("cpu")):
-        peak = measure_step(args, MemoryStrategy(fsdp=True), StepShape(16, 21, 19), torch.device("cpu"), world=world)
-    torch.save(peak, out / f"fsdp_peak{world.rank}.pt")
+        peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), torch.device("cpu"),
+                                    world=world)
+                 for name, fsdp in (("fsdp", True), ("ddp", False))}
+    torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
 
 
 def main_first(out: Path) -> None:
