@@ -3,8 +3,10 @@
     python translate.py outputs/runs/<date>/<time>/checkpoints/best.pt --input test.de \
         [--reference test.en] [--output hyp.en] [--beam-size 4 --length-penalty 0.6]
     python translate.py outputs/runs/<date>/<time>/checkpoints/step_*.pt --input test.de   # weights averaged
+    echo "Ein Hund läuft." | python translate.py outputs/runs/<date>/<time>     # a run directory: its best.pt
 
-Reads one sentence per line (plain or .gz); writes one translation per line (stdout without --output). With
+Reads one sentence per line (plain or .gz; standard input without --input or with --input -); writes one
+translation per line (stdout without --output). With
 --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
 """
 
@@ -27,8 +29,9 @@ from src.run import resolve_device
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="+", help="a checkpoint written by train.py (checkpoints/best.pt or "
-                   "checkpoints/step_<N>.pt), or several of one run: their weights are averaged")
-    p.add_argument("--input", required=True, help="source sentences, one per line")
+                   "checkpoints/step_<N>.pt; a run directory: its checkpoints/best.pt), or several of one run: "
+                   "their weights are averaged")
+    p.add_argument("--input", default="-", help="source sentences, one per line (default, or -: standard input)")
     p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
     p.add_argument("--output", help="where to write the translations (default: stdout)")
     p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")

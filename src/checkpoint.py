@@ -30,7 +30,7 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .model import ModelArgs, Transformer
     from .tokenizers import load_codecs
 
-    paths = [Path(p) for p in ([path] if isinstance(path, str | Path) else path)]
+    paths = [checkpoint_file(Path(p)) for p in ([path] if isinstance(path, str | Path) else path)]
     ckpt = averaged_checkpoint(paths, torch.device("cpu"))  # the optimizer's state too: not onto the device
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
@@ -40,6 +40,17 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     model.load_state_dict(ckpt["model"])
     model.eval()
     return model, src_codec, tgt_codec, ckpt
+
+
+def checkpoint_file(path: Path) -> Path:
+    """The checkpoint a path names: a file, or the best checkpoint of a run directory (or of its checkpoints/)."""
+    if not path.is_dir():
+        return path
+    for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
+        if best.is_file():
+            return best
+    raise UserError(f"{path}: a directory without checkpoints/best.pt (written at a run's first validation); "
+                    "pass a checkpoint file")
 
 
 def read_checkpoint(path: Path, device: torch.device) -> dict:

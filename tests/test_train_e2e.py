@@ -1,6 +1,8 @@
 """Whole runs: train(cfg) through the compose API, and train.py / translate.py as a user runs them."""
 
+import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from .conftest import FAST, FAST_TRAIN, compose_config
 from .helpers import read_jsonl, run_cli
 
 
-def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
+def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, monkeypatch, capsys):
     cfg = fast_cfg("trainer.peak_tflops=0.5")
     summary = train(cfg)
     run = Path(cfg.paths.output_dir)
@@ -41,7 +43,13 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path):
     assert list((run / "checkpoints").glob("step_*.pt")) and (run / "tokenizer" / "codecs.json").is_file()
 
     # translate.py with the best checkpoint reproduces the run's test translations
-    assert translate_test_set(cfg, tmp_path) == (run / "test.hyp.txt").read_text().splitlines()
+    hyps = (run / "test.hyp.txt").read_text().splitlines()
+    assert translate_test_set(cfg, tmp_path) == hyps
+    # and so does the run directory (its best.pt) with the sentences piped in
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((tmp_path / "test.de").read_bytes())))
+    capsys.readouterr()
+    assert translate.main([str(run), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.splitlines() == hyps
 
 
 def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, ...] = ("best.pt",)) -> list[str]:

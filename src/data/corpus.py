@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import logging
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -50,17 +51,20 @@ class Corpus:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """Lines of a UTF-8 text file, plain or gzip-compressed, without line endings (``\\n`` or ``\\r\\n``)
-    and without a byte-order mark."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
+    """Lines of a UTF-8 text file, plain or gzip-compressed (``-``: standard input), without line endings (``\\n``
+    or ``\\r\\n``) and without a byte-order mark."""
+    if str(path) == "-":
+        path, raw = "<stdin>", sys.stdin.buffer.read()
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"{path}: file not found")
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rb") as f:
+                raw = f.read()
+        except (OSError, EOFError) as e:
+            raise DataError(f"{path}: cannot read ({e})") from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     if not raw.strip():
