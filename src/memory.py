@@ -23,6 +23,7 @@ statistic, ``TensorMemoryTracker`` adds up the bytes of every live tensor storag
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import json
@@ -520,6 +521,16 @@ class PeakMemory:
         if self.allocator and reset_allocator:
             self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
+
+    RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta")
+
+    def run_state(self) -> dict:
+        """The run's peaks so far, for its checkpoints: a resumed run reports the peaks of all its parts."""
+        return {k: copy.copy(getattr(self, k)) for k in self.RUN_FIELDS}
+
+    def load_run_state(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
 
     def run_peak_mb(self) -> float | None:
         return self.run_peak / 2**20 if self.available else None

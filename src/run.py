@@ -581,6 +581,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         trainer.scaler.load_state_dict(ckpt["scaler"])
         p = Progress(**ckpt["progress"])
         window.load_totals(p.totals)
+        peak.load_run_state(p.memory)
         ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
@@ -618,7 +619,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         nonlocal saved_step
         if path is None:
             saved_step = p.step
-        p.totals = window.totals()
+        p.totals, p.memory = window.totals(), peak.run_state()
         model_state, optim_state = states or full_state(model, optimizer, strategy.fsdp)
         rng = rng_state()
         ranks = world.gather(rng) if world.distributed else None

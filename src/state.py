@@ -41,6 +41,7 @@ class Progress:
     backoffs: list = field(default_factory=list)
     nonfinite_skips: int = 0
     totals: dict = field(default_factory=dict)  # the training window's running totals (tokens, seconds, ...)
+    memory: dict = field(default_factory=dict)  # the memory ledger's peaks so far (PeakMemory.run_state)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -63,6 +63,21 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
     for step in range(11, 25):
         assert lb[step] == la[step], step
     assert min(lb[step]["mem_optimizer_mb"] for step in range(11, 25)) > 0
+    # the run's peaks are those of both its parts (the checkpoint carries the first part's)
+    first = json.loads((straight / "summary.json").read_text())
+    for key in ("peak_memory_mb", "peak_memory_split_mb", "memory_delta_mb"):
+        assert summary[key] == first[key], key
+
+
+def test_a_finished_run_resumed_keeps_its_figures(fast_cfg):
+    """resume=auto in a run directory whose run has ended trains no step; its summary, written again, keeps the
+    run's training figures (they come from the checkpoint) and tests the same weights."""
+    first = train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=4"))
+    again = train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"))
+    assert again["resumed_from"]["step"] == 4
+    for key in ("steps", "tgt_tokens", "tokens_per_s", "peak_memory_mb", "peak_memory_split_mb", "memory_delta_mb",
+                "valid_bleu", "test_bleu"):
+        assert again[key] == first[key], key
 
 
 @pytest.mark.slow
