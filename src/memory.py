@@ -295,10 +295,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
-            if _local(t).untyped_storage()._cdata in self._seen:
+            storage = _local(t).untyped_storage()
+            if storage._cdata in self._seen:
                 self.retag(t, "gradients")
                 continue
-            taken = min(self.held, _local(t).untyped_storage().nbytes())
+            taken = min(self.held, storage.nbytes())
             self.held -= taken
             self._grow(-taken, "gradients")
             self._track(t, "gradients")
@@ -359,8 +360,7 @@ def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
                  marks: dict[str, int] | None = None) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters, the optimizer's state (call
     it after a first step has created Adam's moments) and DDP's gradient buckets: the tracker, with the step's peak
-    and its split, and
-    ``at_start``, the bytes live when the step began.
+    and its split, and ``at_start``, the bytes live when the step began.
     ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch."""
     tracker = TensorMemoryTracker(device_type)
     if marks is not None:
