@@ -229,6 +229,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.live_by_category)
         self._seen: dict[int, list] = {}  # live storage (its address, ``_cdata``) -> [bytes, category]
         self.held = 0  # bytes of DDP's gradient buckets counted without their storages (``hold_buckets``)
+        self.ddp = False  # whether it holds DDP's buckets: its collectives in backward write them (memory=fsdp's do not)
         self._hooks: list = []
 
     def __enter__(self):
@@ -285,6 +286,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         operator showed them to this tracker), as gradients. They are held as a number of bytes until backward's
         all-reduce shows their storages (``_buckets``); from then on they are tracked like any other storage."""
         self.held += nbytes
+        self.ddp = self.ddp or nbytes > 0
         self._grow(nbytes, "gradients")
 
     def _buckets(self, out) -> None:
@@ -331,7 +333,7 @@ class TensorMemoryTracker(TorchDispatchMode):
                 self._track(out, self.category)
             else:
                 self.track(out)
-        elif func.namespace == "c10d" and self.category == "backward":
+        elif self.ddp and func.namespace == "c10d" and self.category == "backward":
             self._buckets(out)
         return out
 
