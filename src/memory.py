@@ -159,6 +159,13 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "
 _ACTIVE: list[TensorMemoryTracker] = []  # trackers inside their ``with`` block, innermost last
 
 
+def count_inputs(*tensors: torch.Tensor) -> None:
+    """Count a step's input tensors, made before it began (a CPU batch; on CUDA their copies to the device are
+    allocations the tracker sees), on the trackers inside their ``with`` block."""
+    for tracker in _ACTIVE:
+        tracker.track(tensors)
+
+
 @contextlib.contextmanager
 def region(category: str):
     """Tag the storages created inside the block with ``category`` when a tracker is active; free otherwise.

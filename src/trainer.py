@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .data.batching import Batch
 from .distributed import World, average_gradients
-from .memory import MemoryStrategy, region
+from .memory import MemoryStrategy, count_inputs, region
 from .model import Transformer
 
 LOSS_PIECE = 1 << 24  # logits per fp32 piece of the loss: 64 MiB (a module global: torch.compile traces it)
@@ -302,6 +302,7 @@ class Trainer:
         mark = self.ledger or (lambda point: None)
         for i, batch in enumerate(micro_batches):
             batch = batch.to(self.device)
+            count_inputs(batch.src, batch.tgt_in, batch.tgt_out)
             last = i == len(micro_batches) - 1
             # DDP: all-reduce in the last micro-batch's backward only. FSDP reduce-scatters in every one, which
             # keeps gradients sharded between micro-batches (its point: memory) for more communication.

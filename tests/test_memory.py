@@ -130,6 +130,9 @@ def test_peak_is_split_into_categories_that_add_up():
     assert split["optimizer"] == 2 * param_bytes + 4 * n_tensors  # exp_avg, exp_avg_sq, and a float step each
     assert split["logits"] > 0 and split["activations"] > 0 and split["backward"] > 0
     assert tracker.live_by_category["gradients"] == 0  # zero_grad(set_to_none=True) freed them
+    # the batch, made before the step on the CPU, is counted in it (on CUDA its copy to the device is)
+    inputs = [t for b in batches for t in (b.src, b.tgt_in, b.tgt_out)]
+    assert all(t.untyped_storage()._cdata in tracker._seen for t in inputs)
 
 
 def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
