@@ -104,3 +104,33 @@ def test_missing_mandatory_key_is_named(tmp_path):
 
     with pytest.raises(ConfigError, match=r"data.src_lang is required: add data.src_lang=\.\.\."):
         train(compose_config("data=files", run_dir=tmp_path))
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """The ``train.py`` and ``plan.py`` command lines in the bash blocks of the README and of experiments/."""
+    import re
+    import shlex
+
+    root = CONF.parent
+    found = []
+    for doc in [root / "README.md", *sorted((root / "experiments").rglob("README.md"))]:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", doc.read_text(encoding="utf-8"), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = re.search(r"(?:python3?|torchrun[^#]*?)\s+(?:\S*/)?(?:train|plan)\.py(\s.*|$)", line)
+                if command and "$" not in line:  # shell variables: not a command to compose as written
+                    found.append((f"{doc.relative_to(root)}: {line.strip()}", shlex.split(command[1].split(" #")[0])))
+    return found
+
+
+def test_every_documented_command_composes():
+    """What the docs tell users to type composes: every key, option and value of each job (each job of a sweep).
+    A renamed key or option fails here, not in a reader's terminal."""
+    from src.config_check import check_command_line
+
+    commands = documented_commands()
+    assert len(commands) >= 15 and any("-m" in args for _, args in commands)
+    for where, args in commands:
+        try:
+            check_command_line(args)
+        except ConfigError as e:
+            pytest.fail(f"{where}\n  {e}")
