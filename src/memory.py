@@ -225,6 +225,12 @@ class TensorMemoryTracker(TorchDispatchMode):
     is kept in ``peak_by_category``.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Not wrapped in ``torch._disable_dynamo`` at every operator (a third of the tracker's cost): tracking is
+        off under ``torch.compile`` (src/run.py), so Dynamo never meets this mode."""
+        return False
+
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
         self.device_type = device_type
@@ -259,8 +265,8 @@ class TensorMemoryTracker(TorchDispatchMode):
             self._grow(nbytes - entry[0], entry[1])
             entry[0] = nbytes
 
-    def _free(self, key: int) -> None:
-        nbytes, category = self._seen.pop(key)
+    def _free(self, key: int, _ref=None) -> None:
+        nbytes, category, _ = self._seen.pop(key)
         self.live -= nbytes
         self.live_by_category[category] -= nbytes
 
@@ -277,8 +283,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         if key in self._seen:
             return
         nbytes = storage.nbytes()
-        self._seen[key] = [nbytes, category]
-        weakref.finalize(storage, self._free, key)  # the storage's Python object lives as long as the storage
+        # uncounted when the storage is freed: its Python object lives as long as it does. A weak reference (kept in
+        # the entry) rather than weakref.finalize, which costs more and keeps a finished tracker alive.
+        self._seen[key] = [nbytes, category, weakref.ref(storage, functools.partial(self._free, key))]
         self._grow(nbytes, category)
 
     def _grow(self, nbytes: int, category: str) -> None:
