@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -318,7 +319,14 @@ def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = 
 
 
 def holds_earlier_run(run_dir: Path) -> bool:
-    return (run_dir / "summary.json").exists() or bool(step_checkpoints(checkpoint_dir(run_dir)))
+    """Whether the directory holds a run that an attempt refused before it started must leave as it is: checkpoints,
+    or a completed run's summary (an earlier failed attempt's summary gives way to this one's)."""
+    if any(checkpoint_dir(run_dir).glob("*.pt")):
+        return True
+    try:
+        return json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

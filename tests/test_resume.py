@@ -69,6 +69,17 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
         assert summary[key] == first[key], key
 
 
+def test_a_failed_attempts_summary_gives_way_to_the_next_attempts(fast_cfg):
+    """Only an earlier run worth keeping (checkpoints, a completed summary) is left alone by an attempt refused
+    before it starts; an earlier failed attempt's summary is replaced by the new one's error."""
+    for override in ("memory.accum_steps=0", "trainer.log_every=0"):
+        cfg = fast_cfg(override)
+        with pytest.raises(ConfigError):
+            train(cfg)
+        summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["error"].startswith(override.split("=")[0]), summary
+
+
 def test_a_finished_run_resumed_keeps_its_figures(fast_cfg):
     """resume=auto in a run directory whose run has ended trains no step; its summary, written again, keeps the
     run's training figures (they come from the checkpoint) and tests the same weights."""
