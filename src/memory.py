@@ -424,7 +424,7 @@ class PeakMemory:
 
     Every step is measured on CUDA, where the allocator's figures are free: its peak (``max_memory_allocated``),
     allocated and reserved bytes and their difference, the fragmentation. The tracker counts every ``every``-th
-    step (always the first, which creates the optimizer state): on the CPU the step's peak itself, on CUDA the
+    step (always the first, which creates the optimizer state, and under DDP the process's first two): on the CPU the step's peak itself, on CUDA the
     split of the tracked tensors at their peak beside the allocator's (which adds its block rounding and cuBLAS
     workspaces). Measured steps also give the growth of live memory during the first micro-batch's forward and
     backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window (one per log line;
@@ -449,6 +449,7 @@ class PeakMemory:
         self._marks: dict[str, int] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
+        self._ddp_steps = 0  # the steps still to count whatever ``every`` says (see measure)
         if self.allocator:  # a sweep's jobs share a process: this run's figures start here
             self.allocator.reset_peak()
 
@@ -462,6 +463,7 @@ class PeakMemory:
         if self.tracker is not None:
             self.tracker.watch(model)
             self.tracker.hold_buckets(buckets)
+            self._ddp_steps = 2 if buckets else 0
         self._optimizer = optimizer
 
     def _live(self) -> int:
@@ -476,7 +478,10 @@ class PeakMemory:
     @contextlib.contextmanager
     def measure(self, step: int = 1):
         """Context for training step ``step`` (1-based): measured on CUDA, counted by the tracker if sampled."""
-        counted = self.tracker is not None and (step - 1) % self.every == 0
+        # DDP: this process's first two steps too. The first shows the tracker the storages of the gradient
+        # buckets, the second frees them for new ones: uncounted, the later steps would miss the new buckets
+        counted = self.tracker is not None and ((step - 1) % self.every == 0 or self._ddp_steps > 0)
+        self._ddp_steps = max(0, self._ddp_steps - 1)
         if not (self.allocator or counted):
             yield
             return

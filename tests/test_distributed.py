@@ -135,7 +135,7 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_ca
 
 
 FSDP_RUN = [*FAST, "data.train_size=200", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=1",
-            "trainer.save_every=4", "logger=none"]
+            "trainer.save_every=4", "trainer.memory_every=3", "data.batch_size=64", "logger=none"]
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +170,11 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
     # DDP's gradient buckets, a copy of the gradients that its reducer holds all along, count as gradients (the
     # peak falls in forward, where the gradients themselves are freed)
     assert ddp["peak_memory_split_mb"]["gradients"] >= params - 0.1
+    # at every counted step's peak (trainer.memory_every=3, and the two first: DDP rebuilds its buckets in the
+    # second, which must be seen for the later ones to count the new buckets from their start)
+    counted = {r["step"]: r["mem_gradients_mb"] for r in map(json.loads, (ddp_and_fsdp / "none" / "metrics.jsonl").open())
+               if "mem_gradients_mb" in r}
+    assert sorted(counted) == [1, 2, 4, 7] and min(counted.values()) >= params - 0.1, counted
     # The same training: FSDP's sharded update equals DDP's replicated one, step for step.
     ddp_losses, fsdp_losses = losses(ddp_and_fsdp / "none"), losses(ddp_and_fsdp / "fsdp")
     assert [s for s, _ in fsdp_losses] == [s for s, _ in ddp_losses] == list(range(1, 9))
