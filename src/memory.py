@@ -176,6 +176,8 @@ def region(category: str):
     if not _ACTIVE:
         yield
         return
+    if category not in CATEGORIES:
+        raise ValueError(f"region({category!r}): not one of {CATEGORIES}")
     tracker = _ACTIVE[-1]
     previous, tracker.category = tracker.category, category
     try:

@@ -259,7 +259,7 @@ class Trainer:
             if self.world.any(oom is not None):
                 opt.zero_grad(set_to_none=True)
                 raise torch.OutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
-            with region("gradient all-reduce"):
+            with region("gradients"):  # its flattened buckets: one of the six categories (src/memory.py)
                 average_gradients(model.parameters(), self.world)
         with region("optimizer"):
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones

@@ -115,6 +115,9 @@ def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path, shared_cache):
     assert oom["oom_backoffs"][0]["error"].startswith("out of memory on another rank")  # rank 0's record
     assert (oom["src_tokens"], oom["tgt_tokens"]) == (plain["src_tokens"], plain["tgt_tokens"])
     assert plain["oom_backoffs"] == [] and plain["final_accum_steps"] == 4
+    from src.memory import CATEGORIES  # the gradients averaged after backward are gradients, not a seventh kind
+
+    assert set(oom["peak_memory_split_mb"]) == set(plain["peak_memory_split_mb"]) == set(CATEGORIES)
 
 
 def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_cache):
