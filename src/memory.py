@@ -308,14 +308,13 @@ class TensorMemoryTracker(TorchDispatchMode):
     def _buckets(self, out) -> None:
         """The storages that a collective (a ``c10d`` operator) wrote in place during backward: DDP's gradient
         buckets. Unseen ones were allocated at DDP's construction: their bytes move from the held count to tracked
-        storages, so that their end is seen when DDP rebuilds them at the second step's forward. The rebuilt ones,
-        allocated there and counted as activations until now, become gradients."""
+        storages, so that their end is seen when DDP rebuilds them at the second step's forward (where the Trainer
+        tags the new ones gradients)."""
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != self.device_type:
                 continue
             storage = _local(t).untyped_storage()
             if storage._cdata in self._seen:
-                self.retag(t, "gradients")
                 continue
             taken = min(self.held, storage.nbytes())
             self.held -= taken
@@ -426,9 +425,9 @@ class PeakMemory:
 
     Every step is measured on CUDA, where the allocator's figures are free: its peak (``max_memory_allocated``),
     allocated and reserved bytes and their difference, the fragmentation. The tracker counts every ``every``-th
-    step (always the first, which creates the optimizer state, and under DDP the process's first two): on the CPU the step's peak itself, on CUDA the
-    split of the tracked tensors at their peak beside the allocator's (which adds its block rounding and cuBLAS
-    workspaces). Measured steps also give the growth of live memory during the first micro-batch's forward and
+    step (always the first, which creates the optimizer state, and under DDP the process's first two): on the CPU
+    the step's peak itself, on CUDA the split of the tracked tensors at their peak beside the allocator's (which
+    adds its block rounding and cuBLAS workspaces). Measured steps also give the growth of live memory during the first micro-batch's forward and
     backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window (one per log line;
     ``skip_window`` drops what happened outside training, such as evaluation) and for the run. ``allocator``
     replaces CUDA's (tests).
