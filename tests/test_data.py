@@ -49,6 +49,18 @@ def test_missing_file_is_named(tmp_path):
         read_lines(tmp_path / "nope.de")
 
 
+def test_a_directory_is_named_and_a_pipe_is_read(tmp_path):
+    (tmp_path / "data").mkdir()
+    with pytest.raises(DataError, match=r"data: is a directory"):
+        read_lines(tmp_path / "data")
+    fifo = tmp_path / "fifo.de"
+    os.mkfifo(fifo)  # what a shell's process substitution gives: --input <(zcat test.de.gz)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(b"eins\nzwei\n"))
+    writer.start()
+    assert read_lines(fifo) == ["eins", "zwei"]
+    writer.join()
+
+
 def test_empty_file_is_named(tmp_path):
     write(tmp_path / "empty.de", [], raw=b"")
     with pytest.raises(DataError, match=r"empty\.de: file is empty"):

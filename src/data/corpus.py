@@ -57,8 +57,10 @@ def read_lines(path: str | Path) -> list[str]:
         path, raw = "<stdin>", sys.stdin.buffer.read()
     else:
         path = Path(path)
-        if not path.is_file():
+        if not path.exists():
             raise DataError(f"{path}: file not found")
+        if path.is_dir():  # a pipe is read like a file: translate.py --input <(zcat test.de.gz | head)
+            raise DataError(f"{path}: is a directory; give a text file, one sentence per line")
         opener = gzip.open if path.suffix == ".gz" else open
         try:
             with opener(path, "rb") as f:
