@@ -159,7 +159,7 @@ def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
     if scope := evaluated_on(job.summary):
         text += f"; BLEU {scope}"
-    if backoffs := job.summary.get("oom_backoffs"):
+    if (backoffs := job.summary.get("oom_backoffs")) and job.status != "oom":  # an oom error counts them itself
         text += f" after {len(backoffs)} out-of-memory back-off(s)"
     error = job.summary.get("error")
     if error:
@@ -193,7 +193,8 @@ def plot(jobs: list[Job], path: Path) -> None:
 
     fig, (ax_mem, ax_loss) = plt.subplots(1, 2, figsize=(13, 5.2))
     color = {j.name: f"C{i % 10}" for i, j in enumerate(jobs)}  # one colour per job in both panels
-    done = [j for j in jobs if j.summary.get("tokens_per_s") and j.summary.get("peak_memory_mb")]
+    # finished runs only: one that stopped early has figures too (what it reached), but not a run's
+    done = [j for j in jobs if j.status == "completed" and j.summary.get("tokens_per_s") and j.summary.get("peak_memory_mb")]
     if done:
         x_max = max(j.summary["tokens_per_s"] for j in done) * 1.3
         y_max = max(j.summary["peak_memory_mb"] for j in done) * 1.2

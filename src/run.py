@@ -392,7 +392,7 @@ def train(cfg: DictConfig) -> dict:
 
             if resumed is None:
                 clear_for_fresh_start(ckpt_dir, resume, world.main)
-            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed))
+            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -452,9 +452,11 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
 
 
 def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[], RunLogger | NullLogger],
-         world: World, device: torch.device, resumed: tuple[Path, dict] | None) -> dict:
+         world: World, device: torch.device, resumed: tuple[Path, dict] | None, reached: dict) -> dict:
     """``begin`` starts the run's files: at once for a fresh run (a failed job is a failed run of its sweep),
-    only after its checkpoint is accepted for a resumed one (a refused resume leaves the earlier run's files)."""
+    only after its checkpoint is accepted for a resumed one (a refused resume leaves the earlier run's files).
+    A run that stops once training has begun (a signal, out of memory, an error) puts what it had reached into
+    ``reached`` (the summary): its steps, throughput and memory peaks, its best validation."""
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     logger = begin() if resumed is None else None
     strategy.check_device(device)
@@ -719,94 +721,105 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     def done() -> bool:
         return bool((max_steps and p.step >= max_steps) or (max_epochs and p.epoch >= max_epochs))
 
-    profile_dir = run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
-    with (stop_on_signals() as stop,
-          StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step, device) as profiler):
-        while not done():
-            for indices, real, group in steps(p.epoch)[p.batch_in_epoch:]:
-                profiler.step()
-                window.resume()
-                stats = train_step(indices, real, group)
-                window.add(stats)
-                p.step += 1
-                p.batch_in_epoch += 1
-                bar.update(1)
-                check_finite(stats)
-                if p.step % tr["log_every"] == 0:
-                    log_window()
-                states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
-                if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
-                    states = run_eval()
-                if save_every and p.step % save_every == 0:
-                    log_window()
-                    save(states=states)
-                if world.any(stop.signum is not None):
-                    stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
-                if stop.signum is not None:
-                    log_window()
-                    if saved_step != p.step:
+    def figures() -> dict:
+        """The training figures so far: steps, throughput (up to the last log line), memory, best validation."""
+        train_s = max(window.total_seconds, 1e-9)
+        tflops = window.total_flops / train_s / 1e12
+        return {
+            "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
+            "steps": p.step,
+            "epochs": round(p.step / batches_per_epoch, 3),
+            "src_tokens": window.total_src_tokens,
+            "tgt_tokens": window.total_tgt_tokens,
+            "train_s": round(window.total_seconds, 2),
+            "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
+            "padding_ratio": round(window.padding_ratio(total=True), 4),
+            "model_tflops": float(f"{tflops:.4g}"),  # model FLOP/s, ModelArgs.training_flops
+            "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
+            "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
+            "final_accum_steps": p.accum_steps,
+            "oom_backoffs": p.backoffs,
+            "nonfinite_skips": p.nonfinite_skips,
+            "peak_memory_mb": _round(peak.run_peak_mb()),
+            "peak_memory_split_mb": peak.run_peak_split_mb(),
+            "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
+            "peak_reserved_mb": _round(peak.run_reserved_mb()),
+            "best_step": p.best_step,
+            "valid_bleu": p.valid_scores.get("bleu"),
+            "valid_chrf": p.valid_scores.get("chrf"),
+        }
+
+    try:
+        profile_dir = run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
+        with (stop_on_signals() as stop,
+              StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step, device) as profiler):
+            while not done():
+                for indices, real, group in steps(p.epoch)[p.batch_in_epoch:]:
+                    profiler.step()
+                    window.resume()
+                    stats = train_step(indices, real, group)
+                    window.add(stats)
+                    p.step += 1
+                    p.batch_in_epoch += 1
+                    bar.update(1)
+                    check_finite(stats)
+                    if p.step % tr["log_every"] == 0:
+                        log_window()
+                    states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
+                    if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
+                        states = run_eval()
+                    if save_every and p.step % save_every == 0:
+                        log_window()
                         save(states=states)
-                    raise Interrupted(stop.signum, p.step)
-                if done():
-                    break
-            else:
-                p.epoch, p.batch_in_epoch = p.epoch + 1, 0
-    bar.close()
-    log_window()
-    if p.last_eval_step != p.step:
-        save(states=run_eval())
-    elif saved_step != p.step:  # not when the loop's last step wrote it
-        save()
+                    if world.any(stop.signum is not None):
+                        stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
+                    if stop.signum is not None:
+                        log_window()
+                        if saved_step != p.step:
+                            save(states=states)
+                        raise Interrupted(stop.signum, p.step)
+                    if done():
+                        break
+                else:
+                    p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+        bar.close()
+        log_window()
+        if p.last_eval_step != p.step:
+            save(states=run_eval())
+        elif saved_step != p.step:  # not when the loop's last step wrote it
+            save()
 
-    if not world.main:
+        if not world.main:
+            world.barrier()
+            return {**info, "steps": p.step}
+        # The test set is translated once: by the checkpoint with the best validation BLEU, or with
+        # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
+        # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
+        tested = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
+        if average_last:
+            newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
+            if len(newest) < average_last:
+                log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
+                            average_last, len(newest))
+            tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
+            info["test_checkpoints"] = [path.name for path in newest]
+        else:
+            tested.load_state_dict(load_checkpoint(best_path)["model"])
+            info["test_checkpoints"] = [best_path.name]
+        test_scores, test_hyps = evaluate(tested, "test")
+        (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
+        log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
+                 f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
+                 test_scores["bleu_signature"])
         world.barrier()
-        return {**info, "steps": p.step}
-    # The test set is translated once: by the checkpoint with the best validation BLEU, or with
-    # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
-    # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
-    tested = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
-    if average_last:
-        newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
-        if len(newest) < average_last:
-            log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
-                        average_last, len(newest))
-        tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
-        info["test_checkpoints"] = [path.name for path in newest]
-    else:
-        tested.load_state_dict(load_checkpoint(best_path)["model"])
-        info["test_checkpoints"] = [best_path.name]
-    test_scores, test_hyps = evaluate(tested, "test")
-    (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
-    log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
-             f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
-             test_scores["bleu_signature"])
-    world.barrier()
+    except BaseException:
+        if world.main:
+            reached.update(info, **figures())
+        raise
 
-    train_s = max(window.total_seconds, 1e-9)
-    tflops = window.total_flops / train_s / 1e12
     return {
         **info,
-        "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
-        "steps": p.step,
-        "epochs": round(p.step / batches_per_epoch, 3),
-        "src_tokens": window.total_src_tokens,
-        "tgt_tokens": window.total_tgt_tokens,
-        "train_s": round(window.total_seconds, 2),
-        "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
-        "padding_ratio": round(window.padding_ratio(total=True), 4),
-        "model_tflops": float(f"{tflops:.4g}"),  # model FLOP/s, ModelArgs.training_flops
-        "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
-        "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
-        "final_accum_steps": p.accum_steps,
-        "oom_backoffs": p.backoffs,
-        "nonfinite_skips": p.nonfinite_skips,
-        "peak_memory_mb": _round(peak.run_peak_mb()),
-        "peak_memory_split_mb": peak.run_peak_split_mb(),
-        "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
-        "peak_reserved_mb": _round(peak.run_reserved_mb()),
-        "best_step": p.best_step,
-        "valid_bleu": p.valid_scores.get("bleu"),
-        "valid_chrf": p.valid_scores.get("chrf"),
+        **figures(),
         "test_bleu": test_scores["bleu"],
         "test_decode_s": decode_s["test"],  # decoding the test set (batched, key/value cache)
         "beam_size": beam_size,

@@ -101,6 +101,9 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     ckpt = load_checkpoint(run / "checkpoints" / "step_00000007.pt")
+    # what it had reached, as the checkpoint holds it
+    assert summary["steps"] == 7 and summary["tgt_tokens"] == ckpt["progress"]["totals"]["total_tgt_tokens"] > 0
+    assert summary["peak_memory_mb"] == pytest.approx(ckpt["progress"]["memory"]["run_peak"] / 2**20, abs=0.05)
     assert ckpt["progress"]["step"] == 7 and ckpt["progress"]["batch_in_epoch"] == 7
     assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= ckpt.keys()
 
@@ -216,6 +219,7 @@ def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy):
             train(cfg)
         summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
         assert summary["status"] == "failed" and "step 3" in summary["error"]
+        assert summary["steps"] == 3 and summary["nonfinite_skips"] == 1 and "test_bleu" not in summary
         return
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["nonfinite_skips"] == 1 and summary["steps"] == 6

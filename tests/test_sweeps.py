@@ -105,6 +105,11 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
     assert "after 3 back-off(s)" in summaries[1]["error"] and "Tried to allocate" in summaries[1]["error"]
     assert "injected failure" in summaries[2]["error"]
     assert summaries[3]["error"].startswith("fault.kind=bogus")
+    # what the jobs that stopped in training had reached: two steps; the bad setting stopped before any
+    for stopped in summaries[1:3]:
+        assert stopped["steps"] == 2 and stopped["tokens_per_s"] > 0 and stopped["peak_memory_mb"] > 0
+        assert stopped["peak_memory_split_mb"]["parameters"] > 0 and "test_bleu" not in stopped
+    assert "steps" not in summaries[3]
     assert "3 sweep job(s) failed" in proc.stderr
     for job, status in zip("0123", ("completed", "oom", "failed", "failed")):
         w = read_wandb_run(wandb_file(sweep / job))
@@ -124,6 +129,7 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     assert [r.split(" | ")[0] for r in rows] == ["| 0", "| 1", "| 2", "| 3"]
     assert rows[0].endswith("| completed |")
     assert "**out of memory**: out of memory at step 3" in rows[1] and "after 3 back-off(s)" in rows[1]
+    assert "| 2 | – | – | **out of memory**" in rows[1]  # its steps; no BLEU
     assert "**failed**: RuntimeError" in rows[2]
     assert "fault.kind=bogus" in rows[3]
     assert "fault.kind=oom" in rows[1]  # runs are named by what differs between the jobs
