@@ -42,6 +42,7 @@ from .distributed import (
     shard_steps,
     world_from_env,
 )
+from .environment import environment
 from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
 from .evaluate import score, translate_ids, validation_loss
 from .fileio import write_json
@@ -368,6 +369,8 @@ def train(cfg: DictConfig) -> dict:
         summary["strategy"] = strategy.label
         check_settings(conf)
         device = world.device(resolve_device(conf["trainer"]["device"]))
+        if world.main:
+            summary["environment"] = environment(device)
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
         with process_group(world, device):

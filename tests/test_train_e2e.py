@@ -2,6 +2,7 @@
 
 import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import translate
+from src.environment import REPO, git_state
 from src.run import train
 from src.trainer import Trainer
 from train import scores
@@ -29,6 +31,11 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     assert summary["status"] == "completed" and summary["strategy"] == "none" and summary["device"] == "cpu"
     assert summary["steps"] == 6 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
     assert isinstance(summary["test_bleu"], float) and summary["sacrebleu_signature"].startswith("nrefs:1|")
+    # what it ran on: this checkout's commit, the versions, the processor
+    env = summary["environment"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert env["git_commit"] == head and len(head) == 40 and isinstance(env["git_dirty"], bool)
+    assert env["torch"] == torch.__version__ and env["cuda"] is None and env["device_name"] == env["cpu"] != ""
     rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
@@ -50,6 +57,23 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     capsys.readouterr()
     assert translate.main([str(run), "--device", "cpu"]) == 0
     assert capsys.readouterr().out.splitlines() == hyps
+
+
+def test_git_state_names_the_commit_and_local_changes(tmp_path):
+    assert git_state(tmp_path) == {"git_commit": None, "git_dirty": None}  # not a checkout: nulls, no error
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_state(tmp_path) == {"git_commit": head.strip(), "git_dirty": False}
+    (tmp_path / "b.py").write_text("y = 2\n")  # untracked: not a change to the code that ran
+    assert git_state(tmp_path)["git_dirty"] is False
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == {"git_commit": head.strip(), "git_dirty": True}
 
 
 def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, ...] = ("best.pt",)) -> list[str]:

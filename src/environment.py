@@ -1,0 +1,54 @@
+"""What a run ran on, for its summary.json: the code's git commit, the software versions and the device. Figures
+are compared across commits and machines (the README's tables name both); a summary that carries them can be
+placed without the shell history that launched it."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def git_state(repo: Path = REPO) -> dict:
+    """The checked-out commit and whether tracked files differ from it; nulls outside a git checkout (an unpacked
+    archive) or without git."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": None if changes is None else bool(changes)}
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else what the platform module says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict:
+    """The run's code, software and hardware, as summary.json records them."""
+    cuda = device.type == "cuda"
+    return {
+        **git_state(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
+        "cpu": cpu_name(),
+        "host": socket.gethostname(),
+    }
