@@ -373,7 +373,7 @@ def train(cfg: DictConfig) -> dict:
             summary["environment"] = environment(device)
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
-        with process_group(world, device):
+        with process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
@@ -416,6 +416,28 @@ def train(cfg: DictConfig) -> dict:
         if logger is not None:
             logger.finish(summary)
     return summary
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """trainer.deterministic: for the run, PyTorch's deterministic kernels (``torch.use_deterministic_algorithms``;
+    an operator that has none stops the run with PyTorch's message) and no cuDNN benchmarking; restored afterwards,
+    since a sweep's jobs share the process. CUDA: cuBLAS reproduces its results only with a fixed workspace,
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, set here unless given; cuBLAS reads it when the process first multiplies on
+    the GPU, so a sweep that mixes settings should export it before it starts."""
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
@@ -475,6 +497,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     corpus, encoded, train_split, info = prepare_data(conf, strategy, world=world)
     info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
     info["reuse_host_memory"] = reuse_host_memory
+    info["deterministic"] = tr["deterministic"]
     src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
     if strategy.auto:
         strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device, world.size)

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import translate
+from src.checkpoint import load_checkpoint
 from src.environment import REPO, git_state
 from src.run import train
 from src.trainer import Trainer
@@ -300,6 +302,21 @@ def test_cuda_run_reports_allocator_peaks_and_the_split(fast_cfg):
     assert sum(summary["peak_memory_split_mb"].values()) <= summary["peak_memory_mb"] + 0.1 * 6
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deterministic_cuda_runs_repeat_to_the_bit(tmp_path, shared_cache):
+    """trainer.deterministic on a GPU: two runs of one seed log the same losses and end with the same weights."""
+    runs = [tmp_path / name for name in ("a", "b")]
+    for run in runs:
+        cfg = compose_config(*FAST, "trainer.device=cuda", "trainer.deterministic=true", "trainer.log_every=1",
+                             run_dir=run, cache_dir=shared_cache)
+        assert train(cfg)["status"] == "completed"
+    losses = [[r["loss"] for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] for run in runs]
+    assert len(losses[0]) == 6 and losses[0] == losses[1]
+    weights = [load_checkpoint(run / "checkpoints" / "step_00000006.pt")["model"] for run in runs]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
 def test_asking_for_a_missing_gpu_is_one_clear_line():
     from src.errors import ConfigError
@@ -307,3 +324,28 @@ def test_asking_for_a_missing_gpu_is_one_clear_line():
 
     with pytest.raises(ConfigError, match="trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
         resolve_device("cuda")
+
+
+def test_deterministic_holds_for_the_run_only(fast_cfg, monkeypatch):
+    """trainer.deterministic: PyTorch's deterministic kernels while the run trains, then the process's setting
+    again (a sweep's next job starts from it), also when the run fails."""
+    seen = []
+    step = Trainer.step
+
+    def watched(self, *args, **kwargs):
+        seen.append((torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "step", watched)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    plain = train(fast_cfg("trainer.max_steps=2"))
+    assert plain["deterministic"] is False and seen == [(False, None)] * 2
+    seen.clear()
+    summary = train(fast_cfg("trainer.max_steps=2", "trainer.deterministic=true", "trainer.resume=never"))
+    assert summary["deterministic"] is True and seen == [(True, ":4096:8")] * 2
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen.clear()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(fast_cfg("trainer.max_steps=4", "trainer.deterministic=true", "trainer.resume=never",
+                       "fault.kind=error", "fault.at_step=2"))
+    assert [on for on, _ in seen] == [True] and not torch.are_deterministic_algorithms_enabled()  # step 1
