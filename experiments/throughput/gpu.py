@@ -14,7 +14,8 @@
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
    case included;
-6. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
+6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
+7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
@@ -66,7 +67,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each model=base run")
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner", "compile"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner", "determinism",
+                                                                     "compile"])
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -119,6 +121,21 @@ def main() -> None:
             "--out", str(out / "memory_strategies"))
     if "planner" not in args.skip:
         sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner"))
+    if "determinism" not in args.skip:  # trainer.deterministic: does one seed give the same run twice?
+        losses = []
+        for i in range(2):
+            run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / f"deterministic_{i}"
+            sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+                *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
+                "memory=amp", "trainer.deterministic=true", "trainer.max_steps=20", "trainer.eval_every=20",
+                "trainer.log_every=1", "trainer.limit_eval=64")
+            metrics = run_dir / "metrics.jsonl"
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+            losses.append([r["loss"] for r in rows if "loss" in r])
+        results["determinism"] = {"steps": [len(x) for x in losses], "losses_equal": losses[0] == losses[1],
+                                  "largest_difference": max((abs(a - b) for a, b in zip(*losses)), default=None)}
+        print("determinism", results["determinism"], flush=True)
+        write(results, out)
     if "compile" not in args.skip:  # last: compiling takes minutes, and the parts above matter more
         train_run("bf16+compile", ["memory=amp", "trainer.compile=true"], bf16_rate)
 
@@ -139,6 +156,10 @@ def write(results: dict, out: Path) -> None:
                      f"{r['peak_memory_mb'] or 0:,.0f} | {r['peak_reserved_mb'] or 0:,.0f} | {r['loss_last']:.3f} | "
                      f"{r['gflops_per_step']:,.1f} | {r['achieved_tflops']:.1f} | "
                      f"{r['mfu_of_measured_matmul']:.1%} | {sheet} |")
+    if d := results.get("determinism"):
+        lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed ({d['steps']} logged steps): losses "
+                  f"{'equal to the bit' if d['losses_equal'] else 'differ'} (largest difference "
+                  f"{d['largest_difference']})."]
     (out / "results_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
