@@ -26,6 +26,7 @@ from src.data.corpus import (
 from src.data.encode import PackedSequences, encode_corpus
 from src.data.synthetic import LengthDistribution
 from src.errors import ConfigError, DataError
+from src.fileio import atomic_path
 
 from .conftest import multi30k_root
 
@@ -47,6 +48,16 @@ def test_read_lines_plain_gz_crlf_and_bom(tmp_path):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(DataError, match=r"nope\.de: file not found"):
         read_lines(tmp_path / "nope.de")
+
+
+def test_atomic_writes_follow_the_umask(tmp_path):
+    previous = os.umask(0o027)  # a lab's shared directory: the group reads, others do not
+    try:
+        with atomic_path(tmp_path / "summary.json") as tmp:
+            tmp.write_text("{}")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
 
 
 def test_a_directory_is_named_and_a_pipe_is_read(tmp_path):

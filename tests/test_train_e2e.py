@@ -38,6 +38,13 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert env["git_commit"] == head and len(head) == 40 and isinstance(env["git_dirty"], bool)
     assert env["torch"] == torch.__version__ and env["cuda"] is None and env["device_name"] == env["cpu"] != ""
+    # every file it wrote has the mode of a file made with open() here: a lab's group can read checkpoints and
+    # summaries (written through temporary files, which mkstemp makes 0o600)
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    modes = {str(f.relative_to(run)): f.stat().st_mode & 0o777 for f in run.rglob("*") if f.is_file()}
+    assert {"summary.json", "metrics.jsonl", "checkpoints/best.pt"} <= modes.keys()
+    assert modes == dict.fromkeys(modes, probe.stat().st_mode & 0o777)
     rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
