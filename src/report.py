@@ -241,6 +241,22 @@ def plot(jobs: list[Job], path: Path) -> None:
     plt.close(fig)
 
 
+def ran_on(jobs: list[Job]) -> str:
+    """What the jobs ran on (device, torch, commit), once when they share it and per job when they do not: a
+    sweep spread over a cluster's nodes may land on different cards, whose tokens/s do not compare."""
+    def describe(env: dict) -> str:
+        commit = env.get("git_commit")
+        code = f"commit {commit[:7]}{' with local changes' if env.get('git_dirty') else ''}" if commit else "no git commit"
+        return f"{env.get('device_name', '?')}, torch {env.get('torch', '?')}, {code}"
+
+    seen = {j.name: describe(j.summary["environment"]) for j in jobs if j.summary.get("environment")}
+    if not seen:
+        return ""
+    if len(set(seen.values())) == 1:
+        return f"Ran on: {next(iter(seen.values()))}\n\n"
+    return "Ran on:\n\n" + "".join(f"- job {name}: {text}\n" for name, text in seen.items()) + "\n"
+
+
 def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path, str]:
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
     jobs = load_sweep(sweep_dir)
@@ -251,6 +267,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
     text = (f"# Sweep report: {Path(sweep_dir)}\n\n"
             f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")
+            + ran_on(jobs)
             + table + "\n![peak memory against throughput, and loss curves](report.png)\n")
     md, png = out / "report.md", out / "report.png"
     plot(jobs, png)

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from matplotlib import image
 from omegaconf import OmegaConf
 
@@ -135,6 +136,10 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     assert "fault.kind=oom" in rows[1]  # runs are named by what differs between the jobs
     png = image.imread(tmp_path / "report.png")
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.shape[0] > 300 and png.shape[1] > 600
+    # what the jobs ran on, said once since they share it
+    env = json.loads((sweep / "0" / "summary.json").read_text())["environment"]
+    assert f"Ran on: {env['device_name']}, torch {torch.__version__}, commit {env['git_commit'][:7]}" in (
+        tmp_path / "report.md").read_text()
     # The sweep itself wrote the same report into its directory when its last job ended, and printed the table.
     assert (sweep / "report.md").read_text() == (tmp_path / "report.md").read_text()
     assert (sweep / "report.png").is_file() and all(row in sweep_proc.stdout for row in rows)
@@ -159,6 +164,14 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     assert jobs[1].strategy == "amp+accum" and jobs[1].effective_batch == "8 pairs (2 x 4)"
     assert [r["step"] for r in jobs[1].train_rows] == [2, 4]  # the line cut off by the kill is skipped
     md, png, table = write_report(sweep)
+    assert "Ran on" not in md.read_text()  # summaries without an environment (written before it was recorded)
+    for job, card in (("0", "NVIDIA A100-SXM4-80GB"), ("10", "Tesla V100-SXM2-32GB")):  # a mixed partition
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        summary["environment"] = {"device_name": card, "torch": "2.13.0", "git_commit": "0123456789", "git_dirty": False}
+        (sweep / job / "summary.json").write_text(json.dumps(summary))
+    md, png, table = write_report(sweep)
+    assert ("Ran on:\n\n- job 0: NVIDIA A100-SXM4-80GB, torch 2.13.0, commit 0123456\n"
+            "- job 10: Tesla V100-SXM2-32GB, torch 2.13.0, commit 0123456\n") in md.read_text()
     assert "| 1 | amp+accum trainer.max_steps=1 | 8 pairs (2 x 4) |" in table
     assert "**no summary.json** (killed?)" in table and md.exists() and png.exists()
     assert "| tokens/s | MFU | steps |" in table and "| 10 | 12.3% |" in table and "| 10 | – |" in table
