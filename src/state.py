@@ -138,19 +138,23 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> Non
     """A run that starts afresh must not share its checkpoint directory with an earlier run's step checkpoints:
     pruning keeps the highest step numbers, and a later ``resume=auto`` would continue the earlier run. With
     ``resume=never`` (start over) they are removed, as are those left with ``resume=auto`` (the unreadable ones
-    ``find_resume`` passed over); without a ``resume`` setting the run stops, naming them."""
-    stale = step_checkpoints(ckpt_dir)
-    if not stale:
+    ``find_resume`` passed over); without a ``resume`` setting the run stops, naming them. The earlier run's
+    ``best.pt``, ``summary.json`` and ``test.hyp.txt`` go with them: until this run's first validation, and for good
+    if it is killed before, they would pass for this run's (translate.py, a sweep's report)."""
+    stale = [path for _, path in step_checkpoints(ckpt_dir)]
+    best = ckpt_dir / "best.pt"
+    if not stale and not best.is_file():
         return
     if resume not in ("auto", "never"):
-        raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {stale[0][1].name}): add "
+        raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {(stale or [best])[0].name}): add "
                           "trainer.resume=auto to continue that run, trainer.resume=never to start over (they are "
                           "removed), or set hydra.run.dir to a new directory")
     if main:
-        for _, path in stale:
+        for path in [*stale, best, ckpt_dir.parent / "summary.json", ckpt_dir.parent / "test.hyp.txt"]:
             path.unlink(missing_ok=True)
-        log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s; training starts from step 0", resume,
-                    len(stale), "unreadable " if resume == "auto" else "", ckpt_dir)
+        log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s and the earlier run's best.pt and summary; "
+                    "training starts from step 0", resume, len(stale), "unreadable " if resume == "auto" else "",
+                    ckpt_dir)
 
 
 def _reason(e: Exception) -> str:

@@ -205,6 +205,11 @@ def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, t
     second_id = (run / "wandb_run_id").read_text()
     assert second_id != first_id
 
+    # started over and killed before its first validation: nothing of the earlier run passes for this one's
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.resume=never", "fault.kind=error", "fault.at_step=1"))
+    assert not (run / "checkpoints" / "best.pt").exists() and not (run / "test.hyp.txt").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"  # this attempt's, not the earlier
     summary = train(fast_cfg(*steps, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.resume=never"))
     assert "resumed_from" not in summary and summary["steps"] == 2
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == ["step_00000002.pt"]
