@@ -1,5 +1,7 @@
 """Each memory strategy computes what the plain computation does, and saves what it claims to save."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +115,18 @@ def test_trimmed_vocabulary_round_trips_training_sentences(xlmr_dir, tmp_path):
             assert codec.decode(after.tolist()) == full.src_codec.decode(before.tolist())
             assert codec.encode([text])[0] == after.tolist()
     assert codec.unk_id not in torch.cat(list(trimmed.splits["train"].src)).tolist()
+
+
+def test_a_trimmed_xlmr_run_translates_again_from_its_directory(fast_cfg, xlmr_dir, tmp_path):
+    """The trimmed ids are the run's own: translate.py reads the run's tokenizer/ (XLM-R's files and the id map it
+    saved) and gives the run's test translations back."""
+    from .test_train_e2e import translate_test_set
+
+    cfg = fast_cfg("tokenizer=xlmr", f"tokenizer.name_or_path={xlmr_dir}", "memory=trim_vocab")
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["vocab"]["src"] < summary["trim_vocab"]["vocab_before"]["src"]
+    hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
+    assert translate_test_set(cfg, tmp_path) == hyps
 
 
 def test_trimming_separate_vocabularies(tmp_path):
