@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -10,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+@functools.cache
 def _new_file_mode() -> int:
-    """The mode ``open()`` gives a new file under this process's umask (0o644 under the usual 022)."""
+    """The mode ``open()`` gives a new file under this process's umask (0o644 under the usual 022). Read once:
+    reading the umask means setting it, for a moment, for every thread of the process."""
     umask = os.umask(0o022)
     os.umask(umask)
     return 0o666 & ~umask
