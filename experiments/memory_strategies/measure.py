@@ -170,7 +170,7 @@ def main() -> None:
         rows = json.loads((out / f"results{suffix}.json").read_text())["rows"]
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
         return
-    cache = ROOT / ".cache"
+    cache = Path(os.environ.get("MT_CACHE_DIR") or ROOT / ".cache")  # where train.py keeps it (paths.cache_dir)
     corpus = load_multi30k("de", "en", args.root, cache)
     encoded = encode_corpus(corpus, SPACY, cache)
     train = encoded.splits["train"]
