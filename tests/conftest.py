@@ -39,7 +39,11 @@ def compose_config(*overrides: str, run_dir: Path | None = None, cache_dir: Path
 def shared_cache(tmp_path_factory) -> Path:
     """paths.cache_dir for the tests' runs, shared as runs share it: the encoded corpora are keyed by their text,
     the tokenizer settings and the encoding code (tests/test_data.py checks that), so a test that does not test the
-    cache itself does not tokenize again what an earlier test has tokenized. Tests of the cache use their own."""
+    cache itself does not tokenize again what an earlier test has tokenized. Tests of the cache use their own.
+    ``MT_TEST_CACHE`` names a cache made beforehand: the lent GPU machine has no spaCy to make one
+    (experiments/throughput/prepare_device.sh)."""
+    if os.environ.get("MT_TEST_CACHE"):
+        return Path(os.environ["MT_TEST_CACHE"])
     return tmp_path_factory.mktemp("cache")
 
 
