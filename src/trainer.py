@@ -9,6 +9,7 @@ micro-batches differ in length. Dividing each micro-batch's mean by ``accum_step
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -214,9 +215,13 @@ class Trainer:
         if self.world.distributed and not strategy.fsdp:
             # The model's only buffers are its sinusoidal positions, the same on every rank: no broadcast of them
             # from rank 0 before each forward pass (DDP's default), a collective per micro-batch for nothing; once
-            # at construction, as DDP does with its parameters. (torch 2.13 deprecates broadcast_buffers=False.)
+            # at construction, as DDP does with its parameters. (torch 2.13 names it forward_sync_buffers and
+            # deprecates broadcast_buffers=False; older releases, such as a GPU image's, know only the latter.)
+            buffers = ({"forward_sync_buffers": False}
+                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                       else {"broadcast_buffers": False})
             self.net = DistributedDataParallel(self.net, device_ids=[device] if device.type == "cuda" else None,
-                                               forward_sync_buffers=False)
+                                               **buffers)
         self.ddp = isinstance(self.net, DistributedDataParallel)
 
     def compile(self) -> None:
