@@ -4,13 +4,13 @@
 # and their encoded corpus, and the tests' encoded corpus (spaCy words, made here: the GPU machine has no spaCy), in
 # .gpu/. Both folders are git-ignored through .git/info/exclude.
 #
-#   MULTI30K_ROOT=../shared/data/multi30k bash experiments/throughput/prepare_device.sh
+#   MULTI30K_ROOT=../shared/data/multi30k [PYTHON=.venv/bin/python] bash experiments/throughput/prepare_device.sh
 #
 # Then one device run, carrying .whl and .gpu (about 9 MB): the README beside this file has the command.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root="${MULTI30K_ROOT:-../shared/data/multi30k}"
-python="${PYTHON:-.venv/bin/python}"
+python="${PYTHON:-python3}"  # the environment of requirements.txt
 [ -f "$root/train.de.gz" ] || { echo "error: $root has no Multi30k files (set MULTI30K_ROOT)" >&2; exit 1; }
 
 mkdir -p .git/info
