@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
         model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, device, args.tokenizer)
+        if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
+            print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
         sources = read_lines(args.input)
         references = read_lines(args.reference) if args.reference else None
         if references is not None and len(references) != len(sources):
