@@ -116,6 +116,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
         w = read_wandb_run(wandb_file(sweep / job))
         assert w["summary"]["status"] == status
         assert w["exit_code"] == (0 if status == "completed" else 1)
+        if job in "12":  # stopped in training: W&B has what they had reached too
+            assert w["summary"]["steps"] == 2 and w["summary"]["environment"]["torch"] == torch.__version__
     # the out-of-memory job logged its steps before the failure
     assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "loss" in r] == [2]
     assert [r["accum_steps"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "oom_backoffs" in r] == [2, 4, 8]
