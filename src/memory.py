@@ -193,19 +193,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
-_ALIASING: dict = {}
-
-
+@functools.cache
 def _aliases(func) -> bool:
     """Whether an operator's results are (views of) its arguments: views, in-place operators and the in-place
     collectives of ``c10d``. They allocate nothing, also where the storage is one the tracker never saw (one that
     existed before tracking started, such as DDP's gradient buckets written in backward). Not ``lift_fresh``: its
     argument is the tensor that ``torch.tensor(...)`` has just made without an operator (Adam's ``step``, say)."""
-    aliases = _ALIASING.get(func)
-    if aliases is None:
-        aliases = _ALIASING[func] = func.namespace == "c10d" or (
-            func is not torch.ops.aten.lift_fresh.default and any(r.alias_info is not None for r in func._schema.returns))
-    return aliases
+    return func.namespace == "c10d" or (
+        func is not torch.ops.aten.lift_fresh.default and any(r.alias_info is not None for r in func._schema.returns))
 
 
 _RESIZE = torch.UntypedStorage.resize_
