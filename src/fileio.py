@@ -41,6 +41,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp_path.unlink(missing_ok=True)
 
 
-def write_json(path: str | Path, obj) -> None:
+def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import ctypes
 import functools
-import json
 import logging
 import platform
 import resource
@@ -41,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from .distributed import ddp_bucket_bytes
 from .errors import ConfigError, check_int
+from .fileio import write_json
 
 log = logging.getLogger(__name__)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -585,7 +585,7 @@ class PeakMemory:
         path = stem.with_suffix(".json")
         mib = {k: round(v / 2**20, 1) for k, v in self.tracker.live_by_category.items()}
         peak = {k: round(v / 2**20, 1) for k, v in self.tracker.peak_by_category.items()}
-        path.write_text(json.dumps({"live_mb": mib, "peak_mb": peak}, indent=2) + "\n", encoding="utf-8")
+        write_json(path, {"live_mb": mib, "peak_mb": peak})
         return path
 
 

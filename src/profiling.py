@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from .fileio import write_text
+
 log = logging.getLogger(__name__)
 
 
@@ -77,9 +79,8 @@ class StepProfiler:
         averages = prof.key_averages()
         header = (f"optimizer steps {self.window[0]}-{self.window[1]} (totals over the steps), operators by "
                   f"{sort_by}\n\n")
-        (self.out_dir / "ops.txt").write_text(header + averages.table(sort_by=sort_by, row_limit=40) + "\n\n"
-                                              + prof.key_averages(group_by_input_shape=True).table(
-                                                  sort_by=sort_by, row_limit=40) + "\n", encoding="utf-8")
+        by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=40)
+        write_text(self.out_dir / "ops.txt", f"{header}{averages.table(sort_by=sort_by, row_limit=40)}\n\n{by_shape}\n")
         top = sorted(averages, key=lambda e: getattr(e, sort_by), reverse=True)[:5]
         log.info("profiled steps %d-%d -> %s; most time in %s", *self.window, self.out_dir,
                  ", ".join(f"{e.key} {getattr(e, sort_by) / 1e3:.0f} ms" for e in top))

@@ -45,7 +45,7 @@ from .distributed import (
 from .environment import environment
 from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
 from .evaluate import score, translate_ids, validation_loss
-from .fileio import write_json
+from .fileio import write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
     MemoryStrategy,
@@ -385,7 +385,7 @@ def train(cfg: DictConfig) -> dict:
                 claimed = True
                 if not world.main:
                     return NullLogger()
-                OmegaConf.save(OmegaConf.create(conf), run_dir / "config.yaml")
+                write_text(run_dir / "config.yaml", OmegaConf.to_yaml(conf))
                 group = conf.get("sweep_name") or job.get("sweep_dir")
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
@@ -833,7 +833,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             tested.load_state_dict(load_checkpoint(best_path)["model"])
             info["test_checkpoints"] = [best_path.name]
         test_scores, test_hyps = evaluate(tested, "test")
-        (run_dir / "test.hyp.txt").write_text("\n".join(test_hyps) + "\n", encoding="utf-8")
+        write_text(run_dir / "test.hyp.txt", "\n".join(test_hyps) + "\n")
         log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
                  f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
                  test_scores["bleu_signature"])

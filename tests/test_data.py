@@ -4,10 +4,12 @@ import gzip
 import hashlib
 import http.server
 import os
+import re
 import sys
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ from src.data.corpus import (
 from src.data.encode import PackedSequences, encode_corpus
 from src.data.synthetic import LengthDistribution
 from src.errors import ConfigError, DataError
-from src.fileio import atomic_path
+from src.fileio import atomic_path, write_text
 
 from .conftest import multi30k_root
 
@@ -61,6 +63,36 @@ def test_atomic_writes_follow_the_umask(tmp_path):
         os.umask(previous)
         fileio._new_file_mode.cache_clear()
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_an_interrupted_write_leaves_the_earlier_file_and_no_other(tmp_path):
+    write_text(tmp_path / "test.hyp.txt", "earlier\n")
+    with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "test.hyp.txt") as tmp:
+        tmp.write_text("half a fi")
+        raise KeyboardInterrupt  # Ctrl-C (or SIGTERM's handler) in the middle of the write
+    assert (tmp_path / "test.hyp.txt").read_text() == "earlier\n"
+    assert os.listdir(tmp_path) == ["test.hyp.txt"]
+
+
+def test_the_project_writes_files_through_atomic_path_only():
+    """Every file a run, translate.py or an experiment script writes goes through src/fileio.py (atomic_path,
+    write_text, write_json), so that none is ever left half-written: a direct write may only fill ``tmp``, the
+    temporary path that atomic_path yields."""
+    root = Path(__file__).resolve().parents[1]
+    writes = re.compile(r"\.write_(text|bytes)\(|OmegaConf\.save\(|\bopen\([^)]*[\"'][wax]b?\+?[\"']")
+    allowed = {
+        "src/memory.py": "/proc/self/clear_refs",  # not a file: tells the kernel to reset the RSS peak
+        "src/loggers.py": "open(self.path, \"a\"",  # metrics.jsonl, appended row by row: its readers (the report,
+        # a resume's rewind) pass over a last row that a kill cut short
+    }
+    offenders = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in [*root.glob("*.py"), *root.glob("src/**/*.py"), *root.glob("experiments/**/*.py")]
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if writes.search(line) and not re.search(r"\btmp\.write_|open\(tmp\b", line)
+        and allowed.get(path.relative_to(root).as_posix(), "\0") not in line
+    ]
+    assert not offenders, "write through src.fileio:\n" + "\n".join(offenders)
 
 
 def test_a_directory_is_named_and_a_pipe_is_read(tmp_path):

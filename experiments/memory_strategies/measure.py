@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
+from src.fileio import write_json, write_text  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
@@ -126,7 +127,7 @@ def write_table(rows: list[dict], path: Path, header: str) -> None:
         cols[4:4] = ["cuda_max_allocated_mb", "cuda_max_reserved_mb"]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    path.write_text("\n".join(lines) + "\n")
+    write_text(path, "\n".join(lines) + "\n")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -212,7 +213,7 @@ def main() -> None:
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     header = (f"model=base, {device.type} ({machine}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
               f"command: python experiments/memory_strategies/measure.py --device {device.type}")
-    (out / f"results{suffix}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
+    write_json(out / f"results{suffix}.json", {"header": header, "rows": rows})
     write_table(rows, out / f"results{suffix}.md", header)
     try:
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")

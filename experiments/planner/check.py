@@ -13,7 +13,6 @@ Writes results_<device>.md and results_<device>.json next to this file (or into 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from src.fileio import write_json, write_text  # noqa: E402
 from src.model import ModelArgs  # noqa: E402
 from src.planner import CLASSIC_CASES, VALIDATION_CASES, estimate_step, measure_step  # noqa: E402
 
@@ -67,8 +67,8 @@ def main() -> None:
                      + f"{r[f'planned_for_{other}_mb']:,.1f} | {r['planner_s']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"results_{device.type}.md").write_text("\n".join(lines) + "\n")
-    (out / f"results_{device.type}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_text(out / f"results_{device.type}.md", "\n".join(lines) + "\n")
+    write_json(out / f"results_{device.type}.json", rows)
     print("\n".join(lines))
 
 

@@ -9,7 +9,6 @@ ablation.json next to this file (or into --out). Needs the Multi30k files (MULTI
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(HERE))
 from run import ROOT, commit, reference  # noqa: E402
 from src import trainer as trainer_module  # noqa: E402
 from src.data.batching import batch_indices, epoch_batches, micro_batches, pair_sizes  # noqa: E402
+from src.fileio import write_json, write_text  # noqa: E402
 from src.memory import TensorMemoryTracker, keep_freed_host_memory  # noqa: E402
 from src.run import build_model, build_optimizer  # noqa: E402
 from src.trainer import Trainer  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> None:
         print(name, r, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ablation.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out / "ablation.json", results)
     base = results["variants"].get("as train.py runs it", next(iter(results["variants"].values())))["tokens_per_s"]
     lines = [f"{results['date']}, commit {results['commit']}, torch {results['torch']}, "
              f"{results['threads']} threads (default); "
@@ -140,7 +140,7 @@ def main() -> None:
     for name, r in results["variants"].items():
         lines.append(f"| {name} | {r['undoes'] or '-'} | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
                      f"{r['tokens_per_s'] / base:.2f}x | {r['padding_ratio']:.1%} |")
-    (out / "ablation.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "ablation.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

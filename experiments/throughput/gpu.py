@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from run import BASE, commit, run_train  # noqa: E402
+from src.fileio import write_json, write_text  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by a name fragment.
@@ -115,7 +116,7 @@ def main() -> None:
             "memory=amp", "debug=profile")
         ops = run_dir / "profile" / "ops.txt"
         if ops.is_file():
-            (out / "profile_bf16_ops.txt").write_text(ops.read_text())
+            write_text(out / "profile_bf16_ops.txt", ops.read_text())
     if "memory" not in args.skip:
         sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
             "--out", str(out / "memory_strategies"))
@@ -141,7 +142,7 @@ def main() -> None:
 
 
 def write(results: dict, out: Path) -> None:
-    (out / "results_gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out / "results_gpu.json", results)
     peak = results["datasheet_bf16_tflops"]
     lines = [f"{results['date']}, commit {results['commit']}, {results['device']}, torch {results['torch']} "
              f"(CUDA {results['cuda']}); measured "
@@ -160,7 +161,7 @@ def write(results: dict, out: Path) -> None:
         lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed ({d['steps']} logged steps): losses "
                   f"{'equal to the bit' if d['losses_equal'] else 'differ'} (largest difference "
                   f"{d['largest_difference']})."]
-    (out / "results_gpu.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "results_gpu.md", "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from src.fileio import write_json, write_text  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
 
 WARMUP = 20
@@ -119,7 +120,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out / "results.json", results)
     lines = [f"{results['date']}, commit {results['commit']}, {results['machine']}, torch {results['torch']}, "
              f"{results['threads']} threads; "
              f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s.", "",
@@ -136,7 +137,7 @@ def main() -> None:
     if tokenized:
         lines += ["", "Tokenized the corpus with spaCy in a child process, whose peak RSS (pages shared with the run "
                   f"counted in it too) is not in the table: {', '.join(tokenized)}."]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_text(out / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
