@@ -26,6 +26,7 @@ import contextlib
 import copy
 import ctypes
 import functools
+import gc
 import logging
 import platform
 import resource
@@ -587,6 +588,16 @@ class PeakMemory:
         peak = {k: round(v / 2**20, 1) for k, v in self.tracker.peak_by_category.items()}
         write_json(path, {"live_mb": mib, "peak_mb": peak})
         return path
+
+
+def free_earlier_runs() -> None:
+    """A sweep's jobs run one after another in one process, and the job before this one leaves its tensors (model,
+    optimizer state, the activations of a step that failed) in reference cycles until Python's cycle collector
+    next runs; on CUDA the allocator also keeps their blocks reserved. Free them both before a run starts, so
+    that its peaks, its reserved memory and its room on the card are its own."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def reset_peak_rss() -> None:

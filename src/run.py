@@ -50,6 +50,7 @@ from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
     MemoryStrategy,
     PeakMemory,
+    free_earlier_runs,
     freed_host_memory_kept,
     keep_freed_host_memory,
     memory_strategy,
@@ -347,6 +348,7 @@ def train(cfg: DictConfig) -> dict:
     """Train and evaluate one run; writes ``config.yaml``, ``metrics.jsonl``, checkpoints and ``summary.json``
     into ``cfg.paths.output_dir`` and returns the summary. Errors are recorded in the summary, then raised."""
     started = time.perf_counter()
+    free_earlier_runs()  # a sweep's earlier job, in this process
     reset_peak_rss()
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

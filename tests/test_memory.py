@@ -289,3 +289,32 @@ def test_a_later_run_in_the_process_records_the_malloc_setting_it_inherits(fast_
         summary = train(fast_cfg(*steps, "trainer.reuse_host_memory=false", "trainer.resume=never"))
     assert summary["reuse_host_memory"] is True
     assert any("which cannot be undone" in r.message for r in caplog.records)
+
+
+def test_a_sweeps_next_job_starts_without_the_earlier_jobs_tensors(fast_cfg, monkeypatch):
+    """Hydra runs a sweep's jobs one after another in one process. A job leaves its model and optimizer state in
+    reference cycles, here after running out of memory; the next job must not build its model while they still
+    hold memory (on a GPU still allocated: in its peak, and in its way)."""
+    import contextlib
+    import gc
+    import weakref
+
+    import src.run
+
+    original, built, alive_at_build = src.run.build_model, [], []
+
+    def build_model(*args, **kwargs):
+        alive_at_build.append([ref() is not None for ref in built])
+        model = original(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(src.run, "build_model", build_model)
+    gc.disable()  # the cycle collector's own timing would decide otherwise
+    try:
+        with contextlib.suppress(torch.OutOfMemoryError):  # as train.py's sweep does: recorded, the next job starts
+            src.run.train(fast_cfg("trainer.resume=never", "fault.kind=oom", "fault.times=9"))
+        src.run.train(fast_cfg("trainer.resume=never"))
+    finally:
+        gc.enable()
+    assert alive_at_build == [[], [False]]

@@ -324,6 +324,20 @@ def test_deterministic_cuda_runs_repeat_to_the_bit(tmp_path, shared_cache):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_sweeps_next_cuda_job_reserves_its_own_memory(tmp_path, shared_cache):
+    """A sweep's jobs share the process and its CUDA allocator: a smaller job after a larger one reports its own
+    reserved memory, not the blocks the allocator kept cached from the job before."""
+    summaries = [
+        train(compose_config(*FAST, "trainer.device=cuda", *overrides, run_dir=tmp_path / name, cache_dir=shared_cache))
+        for name, overrides in (("large", ["data.batch_size=128"]), ("small", ["data.batch_size=8", "memory=amp"]))
+    ]
+    large, small = summaries
+    assert small["peak_memory_mb"] < large["peak_memory_mb"]
+    assert small["peak_reserved_mb"] < large["peak_reserved_mb"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
 def test_asking_for_a_missing_gpu_is_one_clear_line():
     from src.errors import ConfigError
