@@ -151,11 +151,6 @@ def memory_strategy(memory: dict, max_tokens: int | None = None) -> MemoryStrate
         raise ConfigError(f"memory: {e} (known keys: {known})") from None
 
 
-def strategy_label(memory: dict, max_tokens: int | None = None) -> str:
-    """The label of a ``memory`` config, e.g. ``amp+accum``."""
-    return memory_strategy(memory, max_tokens).label
-
-
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "backward")
 _ACTIVE: list[TensorMemoryTracker] = []  # trackers inside their ``with`` block, innermost last
 

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from src.errors import ConfigError
-from src.memory import memory_strategy, strategy_label
+from src.memory import memory_strategy
 
 from .conftest import CONF, compose_config
 
@@ -71,14 +71,14 @@ def test_optim_is_adam_with_the_papers_settings():
 )
 def test_strategies_compose_and_label_is_derived(override, label):
     cfg = compose_config(override, run_dir=Path("/tmp/x"))
-    assert strategy_label(OmegaConf.to_container(cfg.memory), cfg.data.max_tokens) == label
+    assert memory_strategy(OmegaConf.to_container(cfg.memory), cfg.data.max_tokens).label == label
 
 
 def test_label_follows_values_not_file_names():
     cfg = compose_config("memory=accum", "memory.accum_steps=1", run_dir=Path("/tmp/x"))
-    assert strategy_label(OmegaConf.to_container(cfg.memory)) == "none"
+    assert memory_strategy(OmegaConf.to_container(cfg.memory)).label == "none"
     cfg = compose_config("memory.amp=fp16", run_dir=Path("/tmp/x"))
-    assert strategy_label(OmegaConf.to_container(cfg.memory)) == "amp"
+    assert memory_strategy(OmegaConf.to_container(cfg.memory)).label == "amp"
 
 
 @pytest.mark.parametrize(
