@@ -404,6 +404,13 @@ class CudaAllocator:
     def reserved(self) -> int:
         return torch.cuda.memory_reserved(self.device)
 
+    def record_history(self, enabled: bool) -> None:
+        """Record every allocation with its stack trace (what ``dump_snapshot`` shows), or stop recording."""
+        torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=100_000)
+
+    def dump_snapshot(self, path: Path) -> None:
+        torch.cuda.memory._dump_snapshot(str(path))
+
 
 # How often the tensor tracker counts a step by default: on the CPU it is the only source of the peak; on CUDA it
 # adds the split by category to the allocator's figures, for a Python call per operator (every 100th step).
@@ -563,18 +570,20 @@ class PeakMemory:
     def run_reserved_mb(self) -> float | None:
         return self.run_reserved / 2**20 if self.allocator else None
 
-    def record_history(self) -> None:
-        """CUDA: start recording allocations and their stack traces (what ``snapshot`` shows)."""
-        if self.device.type == "cuda" and not self._recording:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-            self._recording = True
+    def record_history(self, enabled: bool = True) -> None:
+        """CUDA: record allocations and their stack traces (what ``snapshot`` shows) from a step's out-of-memory
+        error until the step is redone, or fails for good with a snapshot; then stop, since recording costs time at
+        every allocation, for the rest of the run and for a sweep's later jobs in the process."""
+        if self.allocator is not None and enabled != self._recording:
+            self.allocator.record_history(enabled)
+            self._recording = enabled
 
     def snapshot(self, stem: Path) -> Path | None:
         """Write what memory holds now: on CUDA the allocator's snapshot (``<stem>.pickle``, viewable at
         https://pytorch.org/memory_viz), on the CPU the tracker's live and peak bytes by category (``<stem>.json``)."""
-        if self.device.type == "cuda":
+        if self.allocator is not None:
             path = stem.with_suffix(".pickle")
-            torch.cuda.memory._dump_snapshot(str(path))
+            self.allocator.dump_snapshot(path)
             return path
         if self.tracker is None:
             return None

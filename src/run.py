@@ -713,7 +713,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             try:
                 with peak.measure(step):
                     fault.maybe_raise(step, trainer)
-                    return trainer.step(micro, step_tokens, real)
+                    stats = trainer.step(micro, step_tokens, real)
+                peak.record_history(False)  # after a back-off: the step was redone
+                return stats
             except torch.OutOfMemoryError as e:
                 optimizer.zero_grad(set_to_none=True)
                 reason = str(e).splitlines()[0]
@@ -728,7 +730,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
                     ) from None
                 p.accum_steps = min(p.accum_steps * 2, max(len(b) for b in group))
                 p.backoffs.append({"step": step, "accum_steps": p.accum_steps, "error": reason})
-                peak.record_history()  # from now on, so that a final failure comes with a useful snapshot
+                peak.record_history()  # until the step is redone: a final failure comes with a useful snapshot
                 log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step, reason, p.accum_steps)
                 logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
         raise AssertionError("unreachable")
@@ -844,6 +846,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         if world.main:
             reached.update(info, **figures())
         raise
+    finally:
+        peak.record_history(False)
 
     return {
         **info,

@@ -180,6 +180,15 @@ class StandInAllocator:
     def reserved(self):
         return 8 * 2**20
 
+    def __init__(self):
+        self.history: list[bool] = []  # record_history's calls: on, off
+
+    def record_history(self, enabled):
+        self.history.append(enabled)
+
+    def dump_snapshot(self, path):
+        path.write_bytes(b"snapshot")
+
 
 def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_category():
     """CUDA's ledger with a stand-in for its allocator: the allocator's figures on every step, the tracker's split
@@ -235,6 +244,33 @@ def test_a_run_with_an_allocator_logs_its_figures_and_every_nth_split(fast_cfg, 
     assert [s for s, r in lines.items() if "mem_activations_mb" in r] == [2, 4]
     assert summary["peak_memory_mb"] == 10 and summary["peak_reserved_mb"] == 9
     assert summary["peak_memory_split_mb"]["parameters"] > 0
+
+
+def test_cuda_records_allocation_history_only_while_a_step_is_redone(fast_cfg, monkeypatch):
+    """Recording every allocation's stack trace (for the snapshot of a final out-of-memory failure) costs time
+    at each allocation: it starts at a step's out-of-memory error and stops once the step is redone, or at the
+    end of the run that failed, not lasting through the rest of the run or into a sweep's next job."""
+    from pathlib import Path
+
+    import pytest
+
+    import src.run
+    from src.run import train
+
+    allocators = []
+
+    def peak_memory(*args, **kwargs):
+        allocators.append(StandInAllocator())
+        return PeakMemory(*args, **kwargs, allocator=allocators[-1])
+
+    monkeypatch.setattr(src.run, "PeakMemory", peak_memory)
+    redone = train(fast_cfg("fault.kind=oom", "fault.at_step=2"))
+    assert len(redone["oom_backoffs"]) == 1 and allocators[0].history == [True, False]
+    cfg = fast_cfg("fault.kind=oom", "fault.at_step=2", "fault.times=9", "trainer.resume=never")
+    with pytest.raises(torch.OutOfMemoryError, match="memory snapshot: .*oom_snapshot.pickle"):
+        train(cfg)
+    assert allocators[1].history == [True, False]
+    assert (Path(cfg.paths.output_dir) / "oom_snapshot.pickle").read_bytes() == b"snapshot"
 
 
 def test_a_steps_model_flops_are_what_pytorchs_counter_counts_with_attention_also_where_it_cannot():
