@@ -208,4 +208,10 @@ def test_compiled_step_gives_the_eager_update(one_batch_update):
     from torch._inductor import config, cpu_vec_isa
 
     assert config.cpp.simdlen == cpu_vec_isa.pick_vec_isa().bit_width() > 0
+    # a sweep's next job, in the same process: it compiles its own graph, as the first job did, and does not run
+    # the first job's (which Dynamo's guards would accept for a model of the same structure)
+    model, trainer = model_and_trainer(MemoryStrategy(accum_steps=4))
+    trainer.compile()
+    trainer.step(mbs)
+    assert counters["stats"]["unique_graphs"] == 2 and rel_update_diff(updates(start, model), reference) < 1e-4
     torch._dynamo.reset()
