@@ -847,6 +847,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             reached.update(info, **figures())
         raise
     finally:
+        bar.close()  # also on failure: a sweep's next job puts its bar where this one was
         peak.record_history(False)
 
     return {

@@ -370,3 +370,19 @@ def test_deterministic_holds_for_the_run_only(fast_cfg, monkeypatch):
         train(fast_cfg("trainer.max_steps=4", "trainer.deterministic=true", "trainer.resume=never",
                        "fault.kind=error", "fault.at_step=2"))
     assert [on for on, _ in seen] == [True] and not torch.are_deterministic_algorithms_enabled()  # step 1
+
+
+def test_a_failed_runs_progress_bar_is_closed(fast_cfg):
+    """A sweep's jobs share the process: a job that fails closes its progress bar, so that the next job's bar
+    takes its place instead of the line below it."""
+    import gc
+
+    from tqdm import tqdm
+
+    gc.disable()  # the bar sits in a reference cycle: the cycle collector's timing would decide otherwise
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            train(fast_cfg("trainer.progress=true", "fault.kind=error", "fault.at_step=2"))
+        assert not [bar for bar in tqdm._instances if bar.desc == "none"]
+    finally:
+        gc.enable()
