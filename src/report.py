@@ -23,7 +23,7 @@ from .loggers import run_name
 from .memory import CATEGORIES, memory_strategy
 
 STATUS_TEXT = {"completed": "completed", "oom": "**out of memory**", "failed": "**failed**",
-               "interrupted": "**interrupted**", None: "**no summary.json** (killed?)"}
+               "interrupted": "**interrupted**", None: "**no summary.json** (still running, or killed)"}
 
 
 @dataclass
@@ -159,6 +159,8 @@ def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
     if scope := evaluated_on(job.summary):
         text += f"; BLEU {scope}"
+    if job.status is None and job.train_rows:
+        text += f", logged up to step {job.train_rows[-1]['step']}"
     if (backoffs := job.summary.get("oom_backoffs")) and job.status != "oom":  # an oom error counts them itself
         text += f" after {len(backoffs)} out-of-memory back-off(s)"
     error = job.summary.get("error")
