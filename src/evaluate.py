@@ -53,33 +53,45 @@ def greedy_decode(
     bos_id: int,
     eos_id: int,
     pad_id: int,
-    max_len: int,
+    max_len: int | Sequence[int],
 ) -> Tensor:
     """Greedy translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
-    ``</s>``. Each step feeds only the newest token; earlier keys and values come from the cache. A sentence that
-    has produced ``</s>`` leaves the batch, with its encoder states and cache rows, so the steps after it cost
-    only what the unfinished sentences need."""
+    ``</s>``; ``max_len``: for every sentence, or one per sentence. Each step feeds only the newest token; earlier
+    keys and values come from the cache. A sentence that has produced ``</s>`` or reached its ``max_len`` leaves
+    the batch, with its encoder states and cache rows, so the steps after it cost only what the unfinished
+    sentences need."""
     model.eval()
     src_mask = model.src_mask(src)
     memory = model.encode(src, src_mask)
     caches: list[dict] = [{} for _ in model.decoder]
     batch = src.size(0)
-    out = torch.full((batch, max_len), pad_id, dtype=torch.long, device=src.device)
+    limit = _limits(max_len, batch).to(src.device)
+    out = torch.full((batch, int(limit.max())), pad_id, dtype=torch.long, device=src.device)
     active = torch.arange(batch, device=src.device)  # rows of ``out`` still being decoded
     tokens = torch.full((batch, 1), bos_id, dtype=torch.long, device=src.device)
     length = 0
-    for step in range(max_len):
+    for step in range(out.size(1)):
         next_tok = model.decode_step(memory, src_mask, tokens, caches).argmax(dim=-1)
         out[active, step] = next_tok
         length = step + 1
-        running = next_tok != eos_id
+        running = (next_tok != eos_id) & (limit > length)
         if not bool(running.all()):
             if not bool(running.any()):
                 break
             active, memory, src_mask, next_tok = active[running], memory[running], src_mask[running], next_tok[running]
+            limit = limit[running]
             model.reorder_cache(caches, running, running)
         tokens = next_tok.unsqueeze(1)
     return out[:, :length]
+
+
+def _limits(max_len: int | Sequence[int], batch: int) -> Tensor:
+    """The longest translation allowed for each of ``batch`` sentences."""
+    if isinstance(max_len, int):
+        return torch.full((batch,), max_len)
+    limit = torch.as_tensor(max_len)
+    assert limit.shape == (batch,), (limit.shape, batch)
+    return limit
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -95,15 +107,15 @@ def beam_search(
     bos_id: int,
     eos_id: int,
     pad_id: int,
-    max_len: int,
+    max_len: int | Sequence[int],
     beam_size: int,
     alpha: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Beam-search translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
-    ``</s>``, and their scores (B,), as fairseq does it. Each sentence keeps ``beam_size`` open hypotheses in the
-    key/value cache; a candidate ending in ``</s>`` among the best ``beam_size`` of a step is set aside as
-    finished, and a sentence is done once it has ``beam_size`` finished ones (or at ``max_len``, where its open
-    ones count as they are). The best finished hypothesis by ``log-probability / length_penalty(length, alpha)``
+    ``</s>``, and their scores (B,), as fairseq does it. ``max_len``: for every sentence, or one per sentence.
+    Each sentence keeps ``beam_size`` open hypotheses in the key/value cache; a candidate ending in ``</s>`` among
+    the best ``beam_size`` of a step is set aside as finished, and a sentence is done once it has ``beam_size``
+    finished ones (or at its ``max_len``, where its open ones count as they are). The best finished hypothesis by ``log-probability / length_penalty(length, alpha)``
     wins, its length counting ``</s>``. Done sentences leave the batch. With ``beam_size`` 1 this is greedy
     decoding."""
     model.eval()
@@ -120,7 +132,8 @@ def beam_search(
     tokens = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=device)
     caches: list[dict] = [{} for _ in model.decoder]
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]  # (normalized score, ids)
-    for step in range(max_len):
+    limit = _limits(max_len, batch).tolist()
+    for step in range(max(limit)):
         logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches, k).float(), dim=-1)
         vocab = logp.size(-1)
         candidates = (scores.view(-1, 1) + logp).view(len(sent), k * vocab)
@@ -134,7 +147,12 @@ def beam_search(
             finished[sent[i]].append((top[i, j].item() / length_penalty(step + 1, alpha), ids))
         go_on = (~ends).int().argsort(dim=-1, descending=True, stable=True)[:, :k]  # the best k that do not end
         scores, parent, token = top.gather(1, go_on), parent.gather(1, go_on), token.gather(1, go_on)
-        still_open = [len(finished[s]) < k for s in sent]
+        for i, s in enumerate(sent):  # at its max_len, a sentence's open hypotheses count as they are
+            if limit[s] == step + 1 and len(finished[s]) < k:
+                for j in scores[i].isfinite().nonzero().flatten().tolist():
+                    ids = history[parent[i, j]].tolist() + [token[i, j].item()]
+                    finished[s].append((scores[i, j].item() / length_penalty(step + 1, alpha), ids))
+        still_open = [len(finished[s]) < k and limit[s] > step + 1 for s in sent]
         if not any(still_open):
             break
         keep = None
@@ -147,9 +165,6 @@ def beam_search(
         history = torch.cat([history[rows], token.view(-1, 1)], dim=1)
         model.reorder_cache(caches, rows, keep)
         tokens = token.view(-1, 1)
-    else:  # max_len reached: the open hypotheses count as they are
-        for (i, j), score in zip(scores.isfinite().nonzero().tolist(), scores[scores.isfinite()].tolist()):
-            finished[sent[i]].append((score / length_penalty(max_len, alpha), history[i * k + j].tolist()))
     best = [max(f, key=lambda h: h[0]) for f in finished]
     out = torch.full((batch, max(len(ids) for _, ids in best)), pad_id, dtype=torch.long, device=device)
     for i, (_, ids) in enumerate(best):
@@ -171,15 +186,17 @@ def translate_ids(
     alpha: float = 0.0,
 ) -> list[list[int]]:
     """Translations of encoded sources (no special tokens), in input order: greedy, or by beam search where
-    ``beam_size`` > 1 (``alpha``: its length penalty). Each batch may produce up to ``max_len_a * longest source +
-    max_len_b`` tokens (fairseq's ``--max-len-a/b``)."""
+    ``beam_size`` > 1 (``alpha``: its length penalty). Each sentence may produce up to ``max_len_a * its source
+    length + max_len_b`` tokens, ``</s>`` counted on both sides (fairseq's ``--max-len-a/b``, which fairseq applies
+    with the longest source of the batch): so a translation does not depend on the sentences batched with it, and
+    ``batch_size`` changes nothing but rounding."""
     eos = torch.tensor([src_codec.eos_id])
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         src = pad_stack([torch.cat([sources[i], eos]) for i in idx], src_codec.pad_id).to(device)
-        max_len = int(max_len_a * src.size(1) + max_len_b)
+        max_len = [int(max_len_a * (len(sources[i]) + 1) + max_len_b) for i in idx]
         specials = tgt_codec.bos_id, tgt_codec.eos_id, tgt_codec.pad_id
         with autocast():
             if beam_size == 1:

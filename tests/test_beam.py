@@ -117,3 +117,27 @@ def test_at_max_len_the_open_hypotheses_count_as_they_are(model):
     ids = out[0].tolist()
     assert len(ids) == 2 and EOS not in ids
     assert abs(float(scores[0]) - log_probs(model, SRC[0], [ids])[0] / length_penalty(2, 0.6)) < 1e-4
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_translation_does_not_depend_on_the_sentences_batched_with_it(model, beam_size):
+    """Each sentence may run to max_len_a x its own source length + max_len_b tokens, not the batch's longest
+    source's: translated alone or in batches of any size, a sentence comes out the same, also where it is cut."""
+    from types import SimpleNamespace
+
+    from src.evaluate import translate_ids
+
+    torch.manual_seed(1)
+    sources = [torch.randint(3, 30, (n,)) for n in (1, 7, 3, 8, 5, 2)]
+    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+
+    def translations(batch_size: int) -> list[list[int]]:
+        rows = translate_ids(model, sources, codec, codec, torch.device("cpu"), batch_size, 0.5, 1,
+                             beam_size=beam_size)
+        return [[t for t in row if t != PAD] for row in rows]
+
+    alone = translations(1)
+    assert translations(2) == translations(6) == alone
+    # the reverser writes a source of n words in n + 1 tokens: caps of 0.5 x (n + 1) + 1 cut the longer ones
+    cut = [len(ids) == int(0.5 * (len(s) + 1) + 1) and EOS not in ids for ids, s in zip(alone, sources)]
+    assert cut == [False, True, True, True, True, True]

@@ -133,9 +133,12 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
 def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path):
     """trainer.average_last=2: the test set is translated by the mean weights of the last two step checkpoints
     (the paper's practice, with 5), which translate.py given those two files reproduces, not by best.pt."""
-    cfg = fast_cfg("trainer.save_every=2", "trainer.keep_last=2", "trainer.average_last=2")
+    # 12 steps at a higher learning rate: models far enough apart that the average and best.pt (step 6) translate
+    # otherwise, where 6 steps left both writing the same few words
+    cfg = fast_cfg("trainer.save_every=2", "trainer.keep_last=2", "trainer.average_last=2", "trainer.max_steps=12",
+                   "trainer.eval_every=6", "optim.lr=2e-3")
     summary = train(cfg)
-    newest = ("step_00000004.pt", "step_00000006.pt")
+    newest = ("step_00000010.pt", "step_00000012.pt")
     assert summary["test_checkpoints"] == list(newest)
     hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
     assert translate_test_set(cfg, tmp_path, checkpoints=newest) == hyps
