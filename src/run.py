@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -72,6 +73,7 @@ from .state import (
 from .tokenizers import save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -588,13 +590,31 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         plain[0].load_state_dict(model_state)
         return plain[0]
 
+    eval_batch_size = tr["eval_batch_size"]
+
+    def backing_off(task: Callable[[int], T], what: str) -> T:
+        """``task(eval_batch_size)``. Out of memory (the training state leaves evaluation less room than it had at
+        the start, beams multiply the rows): again with half the batch, kept for the rest of the run, down to one
+        sentence. A sentence's translation does not depend on its batch (``translate_ids``), its scores only by
+        rounding."""
+        nonlocal eval_batch_size
+        while True:
+            try:
+                return task(eval_batch_size)
+            except torch.OutOfMemoryError as e:
+                if eval_batch_size == 1:
+                    raise
+                reason = str(e).splitlines()[0]
+                eval_batch_size //= 2
+            log.warning("out of memory in %s: %s; again with evaluation batches of %d", what, reason, eval_batch_size)
+
     def evaluate(m: Transformer, split: str) -> tuple[dict, list[str]]:
         s = eval_sets[split]
         t0 = time.perf_counter()
-        hyp_ids = translate_ids(
-            m, s.encoded.src, src_codec, tgt_codec, device, tr["eval_batch_size"], tr["max_len_a"], tr["max_len_b"],
-            autocast, beam_size, length_penalty,
-        )
+        hyp_ids = backing_off(lambda batch: translate_ids(
+            m, s.encoded.src, src_codec, tgt_codec, device, batch, tr["max_len_a"], tr["max_len_b"], autocast,
+            beam_size, length_penalty,
+        ), f"decoding the {split} set")
         decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
         return score(hyps, s.text.tgt), hyps
@@ -685,8 +705,9 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
 
     def validate(m: Transformer) -> dict:
         t0 = time.perf_counter()
-        losses = validation_loss(m, eval_sets["valid"].encoded, tgt_codec, device, tr["eval_batch_size"],
-                                 optim["label_smoothing"], autocast, strategy.loss_chunk)
+        losses = backing_off(lambda batch: validation_loss(
+            m, eval_sets["valid"].encoded, tgt_codec, device, batch, optim["label_smoothing"], autocast,
+            strategy.loss_chunk), "the validation loss")
         scores, hyps = evaluate(m, "valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
@@ -768,6 +789,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
             "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
             "final_accum_steps": p.accum_steps,
+            "final_eval_batch_size": eval_batch_size,
             "oom_backoffs": p.backoffs,
             "nonfinite_skips": p.nonfinite_skips,
             "peak_memory_mb": _round(peak.run_peak_mb()),

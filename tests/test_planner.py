@@ -25,7 +25,7 @@ from src.planner import (
 from src.run import train
 
 from .conftest import FAST, compose_config
-from .helpers import run_cli
+from .helpers import read_jsonl, run_cli
 
 
 @pytest.mark.parametrize("name,dims,vocab,strategy,shape", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
@@ -268,6 +268,38 @@ def test_oom_back_off_gives_up_with_a_snapshot(fast_cfg):
     assert summary["status"] == "oom" and "memory snapshot" in summary["error"]
     snapshot = json.loads((run / "oom_snapshot.json").read_text())
     assert snapshot["live_mb"]["parameters"] > 0
+
+
+def test_evaluation_out_of_memory_halves_its_batch_and_scores_the_same(fast_cfg, tmp_path, shared_cache, monkeypatch):
+    """Validation and decoding that run out of memory (batches of 16 sentences here, with 4 allowed) go on with
+    half the batch, kept for the rest of the run, and give the same losses, translations and BLEU."""
+    import src.run
+
+    runs = [fast_cfg("trainer.eval_batch_size=16"),
+            compose_config(*FAST, "trainer.eval_batch_size=16", run_dir=tmp_path / "oom", cache_dir=shared_cache)]
+    plain = train(runs[0])
+    calls = []
+
+    def limited(function, position):  # position: of the batch size among the arguments
+        def call(*args):
+            calls.append(args[position])
+            if args[position] > 4:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (a batch of {args[position]})")
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(src.run, "translate_ids", limited(src.run.translate_ids, 5))
+    monkeypatch.setattr(src.run, "validation_loss", limited(src.run.validation_loss, 4))
+    backed_off = train(runs[1])
+    # the first validation's loss backs off twice, and everything after runs with 4: decoding and the test set
+    assert calls == [16, 8, 4, 4, 4, 4, 4]
+    assert plain["final_eval_batch_size"] == 16 and backed_off["final_eval_batch_size"] == 4
+    for key in ("valid_bleu", "test_bleu", "test_chrf"):
+        assert backed_off[key] == plain[key], key
+    dirs = [Path(cfg.paths.output_dir) for cfg in runs]
+    assert (dirs[0] / "test.hyp.txt").read_text() == (dirs[1] / "test.hyp.txt").read_text()
+    valid = [[r["valid_loss"] for r in read_jsonl(d / "metrics.jsonl") if "valid_loss" in r] for d in dirs]
+    assert len(valid[0]) == 2 and valid[0] == pytest.approx(valid[1], rel=1e-6)
 
 
 def test_plan_downloads_nothing(tmp_path):
