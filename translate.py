@@ -6,7 +6,8 @@
     echo "Ein Hund läuft." | python translate.py outputs/runs/<date>/<time>     # a run directory: its best.pt
 
 Reads one sentence per line (plain or .gz; standard input without --input or with --input -); writes one
-translation per line (stdout without --output). With
+translation per line (stdout without --output). It decodes as the run did (beam size, length penalty, length caps
+and autocast from the checkpoint's config, so that it reproduces the run's test.hyp.txt) unless told otherwise. With
 --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
 """
 
@@ -22,7 +23,8 @@ from src.checkpoint import load_translator
 from src.data.corpus import read_lines
 from src.errors import UserError
 from src.evaluate import score, translate
-from src.fileio import atomic_path
+from src.fileio import write_text
+from src.memory import MemoryStrategy
 from src.run import resolve_device
 
 
@@ -37,18 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--beam-size", type=int, default=1, help="1: greedy decoding (what training scores with by default)")
-    p.add_argument("--length-penalty", type=float, default=0.6, help="with beams: GNMT's alpha (0: none)")
+    p.add_argument("--beam-size", type=int, help="1: greedy decoding (default: the run's trainer.beam_size)")
+    p.add_argument("--length-penalty", type=float, help="with beams: GNMT's alpha, 0: none (default: the run's)")
+    p.add_argument("--max-len-a", type=float, help="a translation stops at max_len_a x its source's length + "
+                   "max_len_b tokens (default: the run's)")
+    p.add_argument("--max-len-b", type=int, help="see --max-len-a (default: the run's)")
+    p.add_argument("--amp", choices=["none", "bf16", "fp16"], help="autocast while decoding (default: the run's "
+                   "memory.amp)")
     args = p.parse_args(argv)
-    if args.beam_size < 1:
-        p.error(f"--beam-size {args.beam_size}: must be >= 1")
-    if args.batch_size < 1:
-        p.error(f"--batch-size {args.batch_size}: must be >= 1")
-    if args.length_penalty < 0:
-        p.error(f"--length-penalty {args.length_penalty}: must be >= 0 (0: no length penalty)")
+    for flag, value, least in (("--beam-size", args.beam_size, 1), ("--batch-size", args.batch_size, 1),
+                               ("--length-penalty", args.length_penalty, 0), ("--max-len-a", args.max_len_a, 0),
+                               ("--max-len-b", args.max_len_b, 1)):
+        if value is not None and value < least:
+            p.error(f"{flag} {value}: must be >= {least}")
     try:
         device = resolve_device(args.device)
-        model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, device, args.tokenizer)
+        model, src_codec, tgt_codec, ckpt = load_translator(args.checkpoint, device, args.tokenizer)
+        decoding = run_decoding(ckpt, args)
+        print("decoding: " + ", ".join(f"{k} {v}" for k, v in decoding.items()), file=sys.stderr)
         if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
             print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
         sources = read_lines(args.input)
@@ -57,18 +65,32 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
         with torch.inference_mode():
             hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=args.batch_size,
-                             beam_size=args.beam_size, alpha=args.length_penalty)
+                             beam_size=decoding["beam_size"], alpha=decoding["length_penalty"],
+                             max_len_a=decoding["max_len_a"], max_len_b=decoding["max_len_b"],
+                             autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.output:
-        with atomic_path(args.output) as tmp:
-            tmp.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+        write_text(args.output, "\n".join(hyps) + "\n")
     else:
         sys.stdout.write("\n".join(hyps) + "\n")
     if references is not None:
         print(json.dumps(score(hyps, references)), file=sys.stderr if not args.output else sys.stdout)
     return 0
+
+
+def run_decoding(ckpt: dict, args: argparse.Namespace) -> dict:
+    """The decoding settings: the flags given, else the run's own (its trainer config in the checkpoint), else the
+    config's defaults."""
+    config = ckpt.get("config") or {}
+    run = config.get("trainer") or {}
+    defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10}
+    decoding = {key: next(v for v in (getattr(args, key), run.get(key), default) if v is not None)
+                for key, default in defaults.items()}
+    amp = args.amp or (config.get("memory") or {}).get("amp")
+    decoding["amp"] = None if amp == "none" else amp
+    return decoding
 
 
 if __name__ == "__main__":

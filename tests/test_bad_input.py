@@ -215,7 +215,8 @@ def test_the_docs_table_lists_every_case_tried():
 
 @pytest.mark.parametrize("args,message", [(["--batch-size", "0"], "--batch-size 0: must be >= 1"),
                                           (["--beam-size", "0"], "--beam-size 0: must be >= 1"),
-                                          (["--length-penalty", "-1"], "--length-penalty -1.0: must be >= 0")])
+                                          (["--length-penalty", "-1"], "--length-penalty -1.0: must be >= 0"),
+                                          (["--max-len-b", "0"], "--max-len-b 0: must be >= 1")])
 def test_translate_py_checks_its_arguments_before_loading_anything(args, message, capsys):
     import translate
 

@@ -99,12 +99,19 @@ def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, 
     return out.read_text().splitlines()
 
 
-def test_a_run_decoding_with_beams_scores_what_translate_py_writes_with_them(fast_cfg, tmp_path):
-    cfg = fast_cfg("trainer.beam_size=3", "trainer.length_penalty=1.0")
+def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp_path, capsys):
+    """A run that decodes with beams, its own length caps and bf16 autocast: translate.py given only its checkpoint
+    writes the run's test translations; flags override each setting."""
+    cfg = fast_cfg("trainer.beam_size=3", "trainer.length_penalty=1.0", "trainer.max_len_a=0.5",
+                   "trainer.max_len_b=3", "memory=amp")
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["beam_size"] == 3
     hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
-    assert translate_test_set(cfg, tmp_path, "--beam-size", "3", "--length-penalty", "1.0") == hyps
+    capsys.readouterr()
+    assert translate_test_set(cfg, tmp_path) == hyps
+    assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, amp bf16\n" in capsys.readouterr().err
+    assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none") != hyps
+    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, amp None\n" in capsys.readouterr().err
 
 
 def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, capsys):
