@@ -322,6 +322,51 @@ def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = 
     return sets
 
 
+class Evaluator:
+    """A run's validation loss and translations of its evaluation sets, at its precision and with its decoding
+    settings. Out of memory (the training state leaves evaluation less room than it had at the start, beams
+    multiply the rows): again with half the batch, kept for the rest of the run, down to one sentence. A
+    sentence's translation does not depend on its batch (``translate_ids``), its scores only by rounding."""
+
+    def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, trainer: dict,
+                 label_smoothing: float, strategy: MemoryStrategy):
+        self.sets, self.device, self.tr = sets, device, trainer
+        self.src_codec, self.tgt_codec = encoded.src_codec, encoded.tgt_codec
+        self.label_smoothing, self.strategy = label_smoothing, strategy
+        self.batch_size = trainer["eval_batch_size"]
+        self.decode_s: dict[str, float] = {}  # seconds of the latest decoding of each set
+
+    def autocast(self):
+        return self.strategy.autocast(self.device)
+
+    def loss(self, model: Transformer) -> dict[str, float]:
+        return self._backing_off(lambda batch: validation_loss(
+            model, self.sets["valid"].encoded, self.tgt_codec, self.device, batch, self.label_smoothing, self.autocast,
+            self.strategy.loss_chunk), "the validation loss")
+
+    def translate(self, model: Transformer, split: str) -> tuple[dict, list[str]]:
+        """The scores and the translations of one set."""
+        s, tr = self.sets[split], self.tr
+        t0 = time.perf_counter()
+        hyp_ids = self._backing_off(lambda batch: translate_ids(
+            model, s.encoded.src, self.src_codec, self.tgt_codec, self.device, batch, tr["max_len_a"],
+            tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
+        self.decode_s[split] = round(time.perf_counter() - t0, 3)
+        hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
+        return score(hyps, s.text.tgt), hyps
+
+    def _backing_off(self, task: Callable[[int], T], what: str) -> T:
+        while True:
+            try:
+                return task(self.batch_size)
+            except torch.OutOfMemoryError as e:
+                if self.batch_size == 1:
+                    raise
+                reason = str(e).splitlines()[0]
+                self.batch_size //= 2
+            log.warning("out of memory in %s: %s; again with evaluation batches of %d", what, reason, self.batch_size)
+
+
 def holds_earlier_run(run_dir: Path) -> bool:
     """Whether the directory holds a run that an attempt refused before it started must leave as it is: checkpoints,
     or a completed run's summary (an earlier failed attempt's summary gives way to this one's)."""
@@ -521,7 +566,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     batch_size, max_tokens = data["batch_size"], strategy.max_tokens
     sizes = pair_sizes(train_split)
     overfit = tr.get("overfit_batches")
-    beam_size, length_penalty = tr["beam_size"], tr["length_penalty"]
 
     def batches(epoch: int) -> list[list[int]]:
         try:
@@ -541,6 +585,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     overfit_pairs = [i for b in batches(0) for i in b] if overfit else None
     eval_sets = evaluation_sets(corpus, encoded, tr.get("limit_eval"),
                                 (train_split, overfit_pairs) if overfit else None)
+    evaluator = Evaluator(eval_sets, encoded, device, tr, optim["label_smoothing"], strategy)
     info.update(
         parameters=model.num_parameters(),
         batch_size=None if max_tokens else batch_size,
@@ -571,11 +616,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     peak.watch(model, optimizer, buckets=ddp_bucket_bytes(trainer.net))
     trainer.ledger = peak.mark
 
-    def autocast():
-        return strategy.autocast(device)
-
-    decode_s: dict[str, float] = {}
-
     plain: list[Transformer] = []  # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
 
     def evaluation_model(model_state: dict | None) -> Transformer:
@@ -590,34 +630,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         plain[0].load_state_dict(model_state)
         return plain[0]
 
-    eval_batch_size = tr["eval_batch_size"]
-
-    def backing_off(task: Callable[[int], T], what: str) -> T:
-        """``task(eval_batch_size)``. Out of memory (the training state leaves evaluation less room than it had at
-        the start, beams multiply the rows): again with half the batch, kept for the rest of the run, down to one
-        sentence. A sentence's translation does not depend on its batch (``translate_ids``), its scores only by
-        rounding."""
-        nonlocal eval_batch_size
-        while True:
-            try:
-                return task(eval_batch_size)
-            except torch.OutOfMemoryError as e:
-                if eval_batch_size == 1:
-                    raise
-                reason = str(e).splitlines()[0]
-                eval_batch_size //= 2
-            log.warning("out of memory in %s: %s; again with evaluation batches of %d", what, reason, eval_batch_size)
-
-    def evaluate(m: Transformer, split: str) -> tuple[dict, list[str]]:
-        s = eval_sets[split]
-        t0 = time.perf_counter()
-        hyp_ids = backing_off(lambda batch: translate_ids(
-            m, s.encoded.src, src_codec, tgt_codec, device, batch, tr["max_len_a"], tr["max_len_b"], autocast,
-            beam_size, length_penalty,
-        ), f"decoding the {split} set")
-        decode_s[split] = round(time.perf_counter() - t0, 3)
-        hyps = [tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, s.text.tgt), hyps
 
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     ckpt_dir = checkpoint_dir(run_dir)
@@ -705,10 +717,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
 
     def validate(m: Transformer) -> dict:
         t0 = time.perf_counter()
-        losses = backing_off(lambda batch: validation_loss(
-            m, eval_sets["valid"].encoded, tgt_codec, device, batch, optim["label_smoothing"], autocast,
-            strategy.loss_chunk), "the validation loss")
-        scores, hyps = evaluate(m, "valid")
+        losses = evaluator.loss(m)
+        scores, hyps = evaluator.translate(m, "valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
         logger.log(metrics, p.step)
@@ -789,7 +799,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
             "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
             "final_accum_steps": p.accum_steps,
-            "final_eval_batch_size": eval_batch_size,
+            "final_eval_batch_size": evaluator.batch_size,
             "oom_backoffs": p.backoffs,
             "nonfinite_skips": p.nonfinite_skips,
             "peak_memory_mb": _round(peak.run_peak_mb()),
@@ -858,7 +868,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         else:
             tested.load_state_dict(load_checkpoint(best_path)["model"])
             info["test_checkpoints"] = [best_path.name]
-        test_scores, test_hyps = evaluate(tested, "test")
+        test_scores, test_hyps = evaluator.translate(tested, "test")
         write_text(run_dir / "test.hyp.txt", "\n".join(test_hyps) + "\n")
         log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
                  f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
@@ -876,8 +886,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         **info,
         **figures(),
         "test_bleu": test_scores["bleu"],
-        "test_decode_s": decode_s["test"],  # decoding the test set (batched, key/value cache)
-        "beam_size": beam_size,
+        "test_decode_s": evaluator.decode_s["test"],  # decoding the test set (batched, key/value cache)
+        "beam_size": tr["beam_size"],
         "test_chrf": test_scores["chrf"],
         "sacrebleu_signature": test_scores["bleu_signature"],
         "chrf_signature": test_scores["chrf_signature"],
