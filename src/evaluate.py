@@ -221,13 +221,14 @@ def translate(
     return [tgt_codec.decode(ids) for ids in translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)]
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict:
-    """Corpus BLEU and chrF of detokenized hypotheses against raw references, with sacreBLEU signatures."""
+def score(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False) -> dict:
+    """Corpus BLEU and chrF of detokenized hypotheses against raw references, with sacreBLEU signatures;
+    ``lowercase``: case-insensitive (for a tokenizer that lowercases; the signatures then say ``case:lc``)."""
     from sacrebleu.metrics import BLEU, CHRF
 
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    bleu, chrf = BLEU(), CHRF()
+    bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
     b = bleu.corpus_score(list(hypotheses), [list(references)])
     c = chrf.corpus_score(list(hypotheses), [list(references)])
     return {

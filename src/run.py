@@ -353,7 +353,7 @@ class Evaluator:
             tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, s.text.tgt), hyps
+        return score(hyps, s.text.tgt, self.tgt_codec.lowercase), hyps
 
     def _backing_off(self, task: Callable[[int], T], what: str) -> T:
         while True:

@@ -30,6 +30,7 @@ class Codec:
     pad_id: int
     eos_id: int
     unk_id: int
+    lowercase: bool = False  # text is lowercased before tokenizing: its translations can only be scored uncased
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -298,6 +299,10 @@ class TrimmedCodec(Codec):
         if missing:
             raise ValueError(f"a trimmed vocabulary must keep the special ids {specials}; missing {missing}")
         self.bos_id, self.pad_id, self.eos_id, self.unk_id = (self.new_id[i] for i in specials)
+
+    @property
+    def lowercase(self) -> bool:
+        return self.base.lowercase
 
     def __len__(self) -> int:
         return len(self.kept)

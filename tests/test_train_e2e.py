@@ -396,3 +396,23 @@ def test_a_failed_runs_progress_bar_is_closed(fast_cfg):
         assert not [bar for bar in tqdm._instances if bar.desc == "none"]
     finally:
         gc.enable()
+
+
+def test_a_lowercasing_tokenizer_is_scored_case_insensitively(fast_cfg, tmp_path, capsys):
+    """tokenizer.lowercase=true writes lowercase translations: scored against the cased references they would lose
+    every capitalized word, so BLEU and chrF are computed uncased (sacreBLEU's lowercase, case:lc in the
+    signatures), in the run and by translate.py."""
+    from src.evaluate import score
+
+    references = ["A man rides a Horse .", "Two dogs play in the Snow ."]
+    assert score([r.lower() for r in references], references)["bleu"] < 50
+    assert score([r.lower() for r in references], references, lowercase=True)["bleu"] == 100
+    cfg = fast_cfg("tokenizer.lowercase=true")
+    summary = train(cfg)
+    assert "case:lc" in summary["sacrebleu_signature"] and "case:lc" in summary["chrf_signature"]
+    hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
+    assert all(h == h.lower() for h in hyps)
+    capsys.readouterr()
+    translate_test_set(cfg, tmp_path)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # with --output, the scores go to stdout
+    assert printed["bleu"] == summary["test_bleu"] and "case:lc" in printed["bleu_signature"]
