@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sys.stdout.write("\n".join(hyps) + "\n")
     if references is not None:
-        print(json.dumps(score(hyps, references, tgt_codec.lowercase)), file=sys.stderr if not args.output else sys.stdout)
+        tgt_lang = (ckpt.get("config") or {}).get("data", {}).get("tgt_lang")
+        print(json.dumps(score(hyps, references, tgt_codec.lowercase, tgt_lang)),
+              file=sys.stderr if not args.output else sys.stdout)
     return 0
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .data.batching import batch_indices, collate, pad_stack, pair_sizes
 from .data.encode import EncodedSplit
+from .errors import ConfigError
 from .model import Transformer
 from .tokenizers import Codec
 from .trainer import batch_loss
@@ -221,14 +222,32 @@ def translate(
     return [tgt_codec.decode(ids) for ids in translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)]
 
 
-def score(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False) -> dict:
+def bleu_metric(lowercase: bool = False, tgt_lang: str | None = None):
+    """sacreBLEU's BLEU with the tokenizer it uses for the target language, as its command line does with ``-l``:
+    13a, or ``zh``, ``ja-mecab``, ``ko-mecab`` for Chinese, Japanese, Korean (the last two need ``sacrebleu[ja]``,
+    ``sacrebleu[ko]``: ``check_scoring`` says so before training)."""
+    from sacrebleu.metrics import BLEU
+
+    return BLEU(lowercase=lowercase, trg_lang=tgt_lang or "")
+
+
+def check_scoring(tgt_lang: str | None) -> None:
+    try:
+        bleu_metric(tgt_lang=tgt_lang)
+    except RuntimeError as e:  # sacreBLEU's message: what to install
+        raise ConfigError(f"data.tgt_lang={tgt_lang}: BLEU needs its tokenizer: {' '.join(str(e).split())}") from None
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False,
+          tgt_lang: str | None = None) -> dict:
     """Corpus BLEU and chrF of detokenized hypotheses against raw references, with sacreBLEU signatures;
-    ``lowercase``: case-insensitive (for a tokenizer that lowercases; the signatures then say ``case:lc``)."""
-    from sacrebleu.metrics import BLEU, CHRF
+    ``lowercase``: case-insensitive (for a tokenizer that lowercases; the signatures then say ``case:lc``);
+    ``tgt_lang``: BLEU tokenizes as sacreBLEU does for that language (``bleu_metric``)."""
+    from sacrebleu.metrics import CHRF
 
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    bleu, chrf = BLEU(lowercase=lowercase), CHRF(lowercase=lowercase)
+    bleu, chrf = bleu_metric(lowercase, tgt_lang), CHRF(lowercase=lowercase)
     b = bleu.corpus_score(list(hypotheses), [list(references)])
     c = chrf.corpus_score(list(hypotheses), [list(references)])
     return {

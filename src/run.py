@@ -45,7 +45,7 @@ from .distributed import (
 )
 from .environment import environment
 from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
-from .evaluate import score, translate_ids, validation_loss
+from .evaluate import check_scoring, score, translate_ids, validation_loss
 from .fileio import write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
@@ -329,8 +329,8 @@ class Evaluator:
     sentence's translation does not depend on its batch (``translate_ids``), its scores only by rounding."""
 
     def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, trainer: dict,
-                 label_smoothing: float, strategy: MemoryStrategy):
-        self.sets, self.device, self.tr = sets, device, trainer
+                 label_smoothing: float, strategy: MemoryStrategy, tgt_lang: str):
+        self.sets, self.device, self.tr, self.tgt_lang = sets, device, trainer, tgt_lang
         self.src_codec, self.tgt_codec = encoded.src_codec, encoded.tgt_codec
         self.label_smoothing, self.strategy = label_smoothing, strategy
         self.batch_size = trainer["eval_batch_size"]
@@ -353,7 +353,7 @@ class Evaluator:
             tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, s.text.tgt, self.tgt_codec.lowercase), hyps
+        return score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang), hyps
 
     def _backing_off(self, task: Callable[[int], T], what: str) -> T:
         while True:
@@ -534,6 +534,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
     logger = begin() if resumed is None else None
     strategy.check_device(device)
+    check_scoring(data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
     if tr.get("threads"):
         torch.set_num_threads(tr["threads"])
     reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
@@ -585,7 +586,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     overfit_pairs = [i for b in batches(0) for i in b] if overfit else None
     eval_sets = evaluation_sets(corpus, encoded, tr.get("limit_eval"),
                                 (train_split, overfit_pairs) if overfit else None)
-    evaluator = Evaluator(eval_sets, encoded, device, tr, optim["label_smoothing"], strategy)
+    evaluator = Evaluator(eval_sets, encoded, device, tr, optim["label_smoothing"], strategy, data["tgt_lang"])
     info.update(
         parameters=model.num_parameters(),
         batch_size=None if max_tokens else batch_size,

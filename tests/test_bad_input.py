@@ -1,6 +1,7 @@
 """Every kind of bad input in docs/bad_input.md, tried: each gives one line naming the key, file or line and what
 to do, before training starts. The table in the docs is checked against these cases, row for row."""
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -132,6 +133,21 @@ def test_settings_caught_before_training(what, overrides, message, tmp_path, sha
         assert not cache.exists() and not (run / "tokenizer").exists()  # and before the data
 
 
+@pytest.mark.skipif(importlib.util.find_spec("MeCab") is not None, reason="sacrebleu[ja] is installed here")
+def test_a_target_language_whose_bleu_tokenizer_is_missing_stops_before_the_data(tmp_path):
+    """Japanese BLEU needs sacrebleu[ja] (MeCab): said at once, not at the first validation hours later; the
+    corpus files named here do not exist, so the check comes before they are read."""
+    missing = tmp_path / "nowhere"
+    cfg = compose_config("data=files", "data.src_lang=de", "data.tgt_lang=ja", *FAST_TRAIN,
+                         *(f"data.{s}_prefix={missing / s}" for s in ("train", "valid", "test")),
+                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    with pytest.raises(UserError) as e:
+        train(cfg)
+    row = next(r for r in DOC.read_text().splitlines() if r.startswith("| a target language whose BLEU"))
+    assert str(e.value).startswith("data.tgt_lang=ja: BLEU needs its tokenizer") and str(e.value) in row
+    assert "\n" not in str(e.value) and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("what,files,message", FILES, ids=[c[0] for c in FILES])
 def test_bad_corpus_files(what, files, message, tmp_path):
     data = data_dir(tmp_path, files)
@@ -202,7 +218,8 @@ def test_the_docs_table_lists_every_case_tried():
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
-                                                           "resuming another model's checkpoint"}  # test_resume.py
+                                                           "resuming another model's checkpoint",  # test_resume.py
+                                                           "a target language whose BLEU tokenizer is not installed"}
     assert documented == tried
     assert len(tried) >= 12
     text = DOC.read_text()

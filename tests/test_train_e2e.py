@@ -398,6 +398,16 @@ def test_a_failed_runs_progress_bar_is_closed(fast_cfg):
         gc.enable()
 
 
+def test_bleu_tokenizes_the_target_language_as_sacrebleu_does():
+    """Chinese has no spaces: with 13a a sentence is one token, so a translation one character off scores 0; with
+    the target language given, sacreBLEU's zh tokenizer splits characters (as `sacrebleu -l de-zh` does)."""
+    from src.evaluate import score
+
+    zh = score(["我爱你们啊"], ["我爱你们"], tgt_lang="zh")
+    assert score(["我爱你们啊"], ["我爱你们"])["bleu"] == 0 < zh["bleu"] and "tok:zh" in zh["bleu_signature"]
+    assert "tok:13a" in score(["a"], ["a"], tgt_lang="de")["bleu_signature"]
+
+
 def test_a_lowercasing_tokenizer_is_scored_case_insensitively(fast_cfg, tmp_path, capsys):
     """tokenizer.lowercase=true writes lowercase translations: scored against the cased references they would lose
     every capitalized word, so BLEU and chrF are computed uncased (sacreBLEU's lowercase, case:lc in the
