@@ -116,9 +116,9 @@ def beam_search(
     ``</s>``, and their scores (B,), as fairseq does it. ``max_len``: for every sentence, or one per sentence.
     Each sentence keeps ``beam_size`` open hypotheses in the key/value cache; a candidate ending in ``</s>`` among
     the best ``beam_size`` of a step is set aside as finished, and a sentence is done once it has ``beam_size``
-    finished ones (or at its ``max_len``, where its open ones count as they are). The best finished hypothesis by ``log-probability / length_penalty(length, alpha)``
-    wins, its length counting ``</s>``. Done sentences leave the batch. With ``beam_size`` 1 this is greedy
-    decoding."""
+    finished ones (or at its ``max_len``, where its open ones count as they are). The best finished hypothesis
+    by ``log-probability / length_penalty(length, alpha)`` wins, its length counting ``</s>``. Done sentences
+    leave the batch. With ``beam_size`` 1 this is greedy decoding."""
     model.eval()
     k = beam_size
     src_mask = model.src_mask(src)
