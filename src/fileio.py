@@ -6,18 +6,24 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 
 @functools.cache
-def _new_file_mode() -> int:
-    """The mode ``open()`` gives a new file under this process's umask (0o644 under the usual 022). Read once:
-    reading the umask means setting it, for a moment, for every thread of the process."""
+def _umask() -> int:
+    """This process's umask (usually 0o022). Read once: reading it means setting it, for a moment, for every
+    thread of the process."""
     umask = os.umask(0o022)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the umask (0o644 under the usual 022)."""
+    return 0o666 & ~_umask()
 
 
 @contextlib.contextmanager
@@ -39,6 +45,33 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, path)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """``atomic_path`` for a directory of files written by a library (``save_pretrained``): a temporary directory
+    beside ``path``, which replaces it when the block succeeds (an earlier one is moved aside, then removed) and is
+    removed when it fails. Readers find the old directory or the new one whole, never a half-written one (or,
+    for the moment between the two renames, none)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    os.chmod(tmp, 0o777 & ~_umask())  # what mkdir gives (mkdtemp's own is 0o700)
+    old = None
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        if path.exists():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text(path: str | Path, text: str) -> None:

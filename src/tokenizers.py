@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .errors import ConfigError
-from .fileio import write_json
+from .fileio import atomic_dir, write_json
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 BOS, PAD, EOS, UNK = range(4)
@@ -281,7 +281,8 @@ class HFCodec(Codec):
         return {"type": "hf", "name_or_path": self.name_or_path, "vocab_size": len(self)}
 
     def save(self, directory: Path) -> None:
-        self.tok.save_pretrained(directory / "hf")
+        with atomic_dir(directory / "hf") as tmp:  # whole or not at all: translate.py loads it
+            self.tok.save_pretrained(tmp)
 
 
 # ------------------------------------------------------------------------------------------ trimmed vocabulary

@@ -55,13 +55,13 @@ def test_missing_file_is_named(tmp_path):
 
 def test_atomic_writes_follow_the_umask(tmp_path):
     previous = os.umask(0o027)  # a lab's shared directory: the group reads, others do not
-    fileio._new_file_mode.cache_clear()  # read once per process: read it again under this umask
+    fileio._umask.cache_clear()  # read once per process: read it again under this umask
     try:
         with atomic_path(tmp_path / "summary.json") as tmp:
             tmp.write_text("{}")
     finally:
         os.umask(previous)
-        fileio._new_file_mode.cache_clear()
+        fileio._umask.cache_clear()
     assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o640
 
 

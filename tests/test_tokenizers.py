@@ -1,7 +1,11 @@
 """spaCy word vocabularies with learned detokenization; the XLM-R tokenizer loaded through the real code path."""
 
+import os
+from pathlib import Path
+
 import pytest
 
+from src import fileio
 from src.data.corpus import read_lines
 from src.errors import ConfigError
 from src.tokenizers import SPECIALS, HFCodec, SpacyCodec, build_codecs, codec_from_state, load_codecs, save_codecs
@@ -134,3 +138,25 @@ def test_multi30k_references_come_back_from_tokens_as_they_were(lang):
     references = read_lines(root / f"val.{lang}.gz")
     joined = [codec.detokenize(tokens) for tokens in codec.tokenize(references)]
     assert sum(r.split() != j.split() for r, j in zip(references, joined)) <= 1
+
+
+def test_a_failed_save_of_an_hf_tokenizer_leaves_the_earlier_one_whole(xlmr_dir, tmp_path, monkeypatch):
+    """save_pretrained writes several files; one that fails halfway (a full disk, a kill) leaves the run's earlier
+    tokenizer as it was, and nothing beside it."""
+    codec = HFCodec(str(xlmr_dir))
+    codec.save(tmp_path)
+    saved = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~fileio._umask()  # what mkdir gives
+
+    def fails_halfway(directory):
+        (Path(directory) / "tokenizer.json").write_text("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(codec.tok, "save_pretrained", fails_halfway)
+    with pytest.raises(OSError, match="No space left"):
+        codec.save(tmp_path)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == saved
+    assert os.listdir(tmp_path) == ["hf"]
+    monkeypatch.undo()
+    codec.save(tmp_path)  # and a save that succeeds replaces it, leaving nothing beside it either
+    assert os.listdir(tmp_path) == ["hf"] and HFCodec(str(tmp_path / "hf")).encode(["ein Hund"]) == codec.encode(["ein Hund"])
