@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from .fileio import write_text
+from .fileio import atomic_path, write_text
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class StepProfiler:
 
     def _write(self, prof: profile) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.out_dir / "trace.json"))
+        with atomic_path(self.out_dir / "trace.json") as tmp:
+            prof.export_chrome_trace(str(tmp))
         sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         averages = prof.key_averages()
         header = (f"optimizer steps {self.window[0]}-{self.window[1]} (totals over the steps), operators by "

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
-from src.fileio import write_json, write_text  # noqa: E402
+from src.fileio import atomic_path, write_json, write_text  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
@@ -150,7 +150,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     plt.xticks(rotation=60, ha="right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
 
 
 def main() -> None:
