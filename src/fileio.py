@@ -67,7 +67,12 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.replace(path, old / path.name)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if old is not None:  # the earlier one goes back
+                os.replace(old / path.name, path)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:
