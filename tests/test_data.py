@@ -74,6 +74,22 @@ def test_an_interrupted_write_leaves_the_earlier_file_and_no_other(tmp_path):
     assert os.listdir(tmp_path) == ["test.hyp.txt"]
 
 
+def test_atomic_dir_puts_the_earlier_directory_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("earlier")
+    rename = os.replace
+
+    def failing_for_the_new_one(src, dst):
+        if str(src).endswith(".tmp"):
+            raise OSError(5, "Input/output error")
+        return rename(src, dst)
+
+    monkeypatch.setattr(fileio.os, "replace", failing_for_the_new_one)
+    with pytest.raises(OSError, match="Input/output"), fileio.atomic_dir(tmp_path / "hf") as tmp:
+        (tmp / "tokenizer.json").write_text("new")
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == "earlier" and os.listdir(tmp_path) == ["hf"]
+
+
 def test_the_project_writes_files_through_atomic_path_only():
     """Every file a run, translate.py or an experiment script writes goes through src/fileio.py (atomic_path,
     write_text, write_json), so that none is ever left half-written: a direct write may only fill ``tmp``, the
