@@ -161,9 +161,12 @@ def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
 
 class StandInAllocator:
     """CUDA's allocator figures, made up: a peak of 10 MiB per ``step``, 5 MiB allocated, 8 reserved, a reserved
-    peak of 9."""
+    peak of 9; its allocation history is a list of the calls turning it on and off, its snapshot a few bytes."""
 
     step = 1
+
+    def __init__(self):
+        self.history: list[bool] = []  # record_history's calls: on, off
 
     def reset_peak(self):
         pass
@@ -179,9 +182,6 @@ class StandInAllocator:
 
     def reserved(self):
         return 8 * 2**20
-
-    def __init__(self):
-        self.history: list[bool] = []  # record_history's calls: on, off
 
     def record_history(self, enabled):
         self.history.append(enabled)
