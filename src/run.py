@@ -631,7 +631,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         plain[0].load_state_dict(model_state)
         return plain[0]
 
-
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
     ckpt_dir = checkpoint_dir(run_dir)
     best_path = ckpt_dir / "best.pt"
