@@ -673,7 +673,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     def log_window() -> None:
         metrics = window.flush()
         if metrics:
-            metrics.update(lr=trainer.lr, epoch=p.epoch)
+            metrics["epoch"] = p.epoch
             if peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
                 metrics["mfu"] = metrics["model_tflops"] / (peak_tflops * world.size)
             metrics.update(peak.window_metrics())
@@ -1008,7 +1008,7 @@ class _Window:
 
     def reset(self) -> None:
         self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
-        self.loss = self.nll = self.grad_norm = 0.0
+        self.loss = self.nll = self.grad_norm = self.lr = 0.0
         self.seconds = 0.0
         self._t0: float | None = None
 
@@ -1035,6 +1035,7 @@ class _Window:
         self.padded += stats.n_padded
         self.skipped += stats.skipped
         self.flops += stats.flops
+        self.lr = stats.lr  # the window's last update's
 
     TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped", "total_flops")
 
@@ -1073,6 +1074,7 @@ class _Window:
             "loss": loss / self.tgt_tokens,
             "nll": nll / self.tgt_tokens,
             "grad_norm": gn / self.steps,
+            "lr": self.lr,
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,
             "padding_ratio": self.padding_ratio(),

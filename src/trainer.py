@@ -177,6 +177,7 @@ class StepStats:
     skipped: bool = False  # fp16: the scaler found inf/NaN gradients and skipped the update
     nonfinite: bool = False  # the loss or the gradients were NaN or infinite: no update (trainer.on_nonfinite)
     flops: int = 0  # the model FLOPs of the step's forward and backward passes (ModelArgs.training_flops)
+    lr: float = 0.0  # the learning rate this step's update used (the schedule has moved on to the next step's)
 
 
 class Trainer:
@@ -296,13 +297,14 @@ class Trainer:
             scaler.update()
         skipped = scaler.is_enabled() and scaler.get_scale() < scale_before and not nonfinite
         opt.zero_grad(set_to_none=True)
+        lr = self.lr
         if not (skipped or nonfinite):  # the schedule counts the optimizer steps actually taken
             self.scheduler.step()
         n_src = sum(b.n_src_tokens for b in micro_batches) * real
         n_padded = sum(b.n_padded for b in micro_batches) * real
         flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in micro_batches) * real
         return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
-                         nonfinite, flops)
+                         nonfinite, flops, lr)
 
     def _forward_backward(self, micro_batches: list[Batch], divisor: float, real: bool, sync_last: bool
                           ) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,7 @@ import translate
 from src.checkpoint import load_checkpoint
 from src.environment import REPO, git_state
 from src.run import train
-from src.trainer import Trainer
+from src.trainer import Trainer, inverse_sqrt_schedule
 from train import scores
 
 from .conftest import FAST, FAST_TRAIN, compose_config
@@ -49,6 +49,9 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
     assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb", "model_tflops"} <= r.keys() for r in train_rows)
+    # a row's lr is the rate its last update used (the schedule's after step - 1 updates), not the next step's
+    factor = inverse_sqrt_schedule(cfg.optim.warmup_steps)
+    assert [r["lr"] for r in train_rows] == pytest.approx([cfg.optim.lr * factor(r["step"] - 1) for r in train_rows])
     # model FLOP/s: the run's is its windows' FLOPs over their time; MFU against trainer.peak_tflops
     assert all(r["model_tflops"] > 0 and r["mfu"] == pytest.approx(r["model_tflops"] / 0.5) for r in train_rows)
     flops = sum(r["model_tflops"] * r["window_s"] for r in train_rows)
