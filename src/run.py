@@ -645,10 +645,11 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     if resumed is not None:
         path, ckpt = resumed
         check_resumable(path, ckpt, model.args.to_dict(), conf)
-        logger = begin()
         load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
         scheduler.load_state_dict(ckpt["scheduler"])
-        trainer.scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
+            trainer.scaler.load_state_dict(ckpt["scaler"])
+        logger = begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         p = Progress(**ckpt["progress"])
         window.load_totals(p.totals)
         peak.load_run_state(p.memory)

@@ -274,3 +274,27 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_set
     assert [r.message.split(": ", 1)[1] for r in caplog.records if "resumed with other" in r.message] == [
         "resumed with other data settings than the run that wrote it; the rest of this run will not be the one that "
         "run would have trained"]
+
+
+def test_a_run_without_fp16_resumes_with_fp16_and_a_failed_load_leaves_the_run_as_it_was(fast_cfg, monkeypatch):
+    """A checkpoint written without fp16 holds no GradScaler state: resumed with memory.amp=fp16 (a memory setting:
+    it resumes, with a warning) the run starts a new scaler; it used to fail in GradScaler.load_state_dict. And
+    the run's files become the resumed run's only once its checkpoint is loaded: a load that fails leaves the
+    earlier run's config, summary and metrics as they were (they were rewritten before the load)."""
+    cfg = fast_cfg("trainer.max_steps=2", "trainer.eval_every=2")
+    train(cfg)
+    run = Path(cfg.paths.output_dir)
+    before = files_of(run)
+    again = ["trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto", "memory=amp", "memory.amp=fp16"]
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the optimizer's state does not fit")
+
+    with monkeypatch.context() as m:
+        m.setattr(src.run, "load_full_state", fails)
+        with pytest.raises(RuntimeError, match="does not fit"):
+            train(fast_cfg(*again))
+    assert files_of(run) == before
+    summary = train(fast_cfg(*again))
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2 and summary["steps"] == 4
+    assert summary["strategy"] == "amp"
