@@ -281,16 +281,7 @@ class Trainer:
                 grad_norm = torch.linalg.vector_norm(
                     torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
                 )
-            # fp16: the scaler skips steps with non-finite gradients itself (counted apart); the loss is checked here.
-            # Data-parallel: the synchronized gradients alone, the same on every rank (a NaN loss makes them NaN),
-            # so that every rank takes the same decision.
-            if self.world.distributed:
-                finite = torch.isfinite(grad_norm)
-            elif scaler.is_enabled():
-                finite = torch.isfinite(loss_total)
-            else:
-                finite = torch.isfinite(loss_total + grad_norm)
-            nonfinite = self.check_finite and not bool(finite)
+            nonfinite = self.check_finite and not self._finite(loss_total, grad_norm)
             scale_before = scaler.get_scale() if scaler.is_enabled() else None
             if not nonfinite:
                 scaler.step(opt)
@@ -305,6 +296,17 @@ class Trainer:
         flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in micro_batches) * real
         return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
                          nonfinite, flops, lr)
+
+    def _finite(self, loss_total: Tensor, grad_norm: Tensor) -> bool:
+        """Whether the step's loss and gradients allow its update (``trainer.on_nonfinite``), decided alike on
+        every rank. fp16: the scaler skips a step whose gradients overflowed by itself, a routine event counted
+        apart, so the loss alone is checked, on all ranks (one host all-reduce). Data-parallel otherwise: the
+        synchronized gradients, the same on every rank (a NaN loss on one rank makes them NaN on all)."""
+        if self.scaler.is_enabled():
+            return not self.world.any(not bool(torch.isfinite(loss_total)))
+        if self.world.distributed:
+            return bool(torch.isfinite(grad_norm))
+        return bool(torch.isfinite(loss_total + grad_norm))
 
     def _forward_backward(self, micro_batches: list[Batch], divisor: float, real: bool, sync_last: bool
                           ) -> tuple[Tensor, Tensor]:

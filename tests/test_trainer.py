@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from src import trainer as trainer_module
 from src.data.batching import batch_indices, collate, limit_lengths, pair_sizes, split_batch, token_batch_indices
 from src.data.encode import EncodedSplit
+from src.distributed import World
 from src.memory import MemoryStrategy
 from src.trainer import inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
 
@@ -104,13 +105,41 @@ def test_bf16_step_runs_on_cpu_and_stays_close_to_fp32():
     assert not t16.scaler.is_enabled()
 
 
-def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps():
+class TwoRanks(World):
+    """Rank 0 of two, as Trainer.step sees it after DDP has synchronized the gradients: ``any`` also hears the
+    other rank's flag. Set on a one-process trainer (no process group, no DDP wrapper)."""
+
+    def __init__(self, other_rank_says: bool = False):
+        super().__init__(rank=0, size=2)
+        self.other_rank_says = other_rank_says
+
+    def any(self, flag: bool) -> bool:
+        return flag or self.other_rank_says
+
+
+@pytest.mark.parametrize("world", [World(), TwoRanks()], ids=["one-process", "data-parallel"])
+def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps(world):
+    """An overflow is the scaler's routine skip, not a non-finite step (which trainer.on_nonfinite would count
+    and, past trainer.max_nonfinite, stop the run for): also data-parallel, where it used to be one."""
     split = make_split()
     _, trainer = model_and_trainer(MemoryStrategy(amp="fp16"))
+    trainer.world = world
     assert trainer.scaler.is_enabled()
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows fp16 on the first step
     stats = trainer.step(micro_batches(split, 1))
-    assert stats.skipped and trainer.scaler.get_scale() < 2.0**40
+    assert stats.skipped and not stats.nonfinite and trainer.scaler.get_scale() < 2.0**40
+    assert trainer.scheduler.last_epoch == 0  # the schedule counts the updates taken
+
+
+def test_fp16_data_parallel_ranks_agree_on_a_nan_loss_on_one_of_them():
+    """Another rank's NaN loss makes this rank's step non-finite too: every rank skips it, or stops, alike."""
+    split = make_split()
+    model, trainer = model_and_trainer(MemoryStrategy(amp="fp16"))
+    trainer.world = TwoRanks(other_rank_says=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = trainer.step(micro_batches(split, 1))
+    assert stats.nonfinite and not stats.skipped
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
 def test_training_reduces_the_loss():
