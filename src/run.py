@@ -578,8 +578,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
         return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
 
-    def steps(epoch: int) -> list[tuple[list[int], bool, list[list[int]]]]:
-        return shard_steps(batches(epoch), world)
+    def steps(epoch: int, batches_done: int = 0) -> list[tuple[list[int], bool, list[list[int]]]]:
+        """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
+        may have been trained with another number of ranks)."""
+        return shard_steps(batches(epoch)[batches_done:], world)
 
     tgt_sizes = [len(t) + 1 for t in train_split.tgt]  # target tokens of each pair, its </s> included
     batches_per_epoch = len(steps(0))
@@ -650,7 +652,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
             trainer.scaler.load_state_dict(ckpt["scaler"])
         logger = begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
-        p = Progress(**ckpt["progress"])
+        p = Progress.from_checkpoint(ckpt)
         window.load_totals(p.totals)
         peak.load_run_state(p.memory)
         ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
@@ -662,7 +664,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             fresh = Progress()
             p.best_bleu, p.best_step, p.valid_scores, p.last_eval_step = (
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
-        log.info("resuming from %s (step %d, epoch %d, batch %d of the epoch)", path, p.step, p.epoch, p.batch_in_epoch)
+        log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
+                 p.batches_done)
 
     if world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
         save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
@@ -817,13 +820,13 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         with (stop_on_signals() as stop,
               StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step, device) as profiler):
             while not done():
-                for indices, real, group in steps(p.epoch)[p.batch_in_epoch:]:
+                for indices, real, group in steps(p.epoch, p.batches_done):
                     profiler.step()
                     window.resume()
                     stats = train_step(indices, real, group)
                     window.add(stats)
                     p.step += 1
-                    p.batch_in_epoch += 1
+                    p.batches_done += len(group)
                     bar.update(1)
                     check_finite(stats)
                     if p.step % tr["log_every"] == 0:
@@ -844,7 +847,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
                     if done():
                         break
                 else:
-                    p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+                    p.epoch, p.batches_done = p.epoch + 1, 0
         bar.close()
         log_window()
         if p.last_eval_step != p.step:

@@ -1,7 +1,7 @@
 """What a run needs to continue exactly where it stopped, and how to find it again.
 
 A training checkpoint (``checkpoints/step_<N>.pt``) holds the model, optimizer, schedule and GradScaler states,
-``Progress`` (step, epoch and position in the epoch's batch order, best validation score, accumulation after
+``Progress`` (step, epoch and position in the epoch's batch order (in batches, whatever the number of ranks), best validation score, accumulation after
 out-of-memory back-offs, skipped steps, the running totals of the summary), the random number generators
 (Python's and torch's, CPU and CUDA; numpy's is never used), and the model settings and resolved config. The
 batch order of an epoch is a function of (seed, epoch), so the position in it is enough to continue the data.
@@ -32,7 +32,7 @@ STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 class Progress:
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0  # batches of ``epoch`` already trained
+    batches_done: int = 0  # batches of ``epoch``'s order already trained, on all ranks together
     best_bleu: float = -1.0
     best_step: int = 0
     last_eval_step: int = -1
@@ -45,6 +45,16 @@ class Progress:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: dict) -> Progress:
+        """A checkpoint's progress. Counted in batches, it resumes with any number of ranks; checkpoints written
+        before 2026-12-02 counted optimizer steps (``batch_in_epoch``) of one batch per rank."""
+        state = dict(ckpt["progress"])
+        if "batch_in_epoch" in state:
+            ranks = ckpt.get("rng_ranks")  # one random state per rank: a data-parallel run's
+            state["batches_done"] = state.pop("batch_in_epoch") * (len(ranks) if ranks else 1)
+        return cls(**state)
 
 
 def rng_state() -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import src.run
 from src.data.batching import micro_batches, pair_sizes
 from src.distributed import World, shard_steps
 from src.memory import MemoryStrategy
@@ -135,6 +136,22 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_ca
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 3 and summary["steps"] == 5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process_training_each_batch_once(tmp_path, shared_cache):
+    """A checkpoint counts the epoch's batches trained, not optimizer steps of one batch per rank: a 2-rank run's
+    checkpoint after step 1 (batches 0 and 1) resumed by one process trains batches 2, 3, ... of that epoch, so the
+    epoch trains the tokens one process trains in it. Counting steps, it went on from batch 1 and trained it twice."""
+    epoch = ["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.eval_every=null"]
+    run = tmp_path / "run"
+    proc = torchrun(str(ROOT / "train.py"), *FAST, "trainer.max_steps=1", "trainer.max_epochs=1", "logger=none",
+                    f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = src.run.train(compose_config(*FAST, *epoch, "trainer.resume=auto", run_dir=run, cache_dir=shared_cache))
+    straight = src.run.train(compose_config(*FAST, *epoch, run_dir=tmp_path / "straight", cache_dir=shared_cache))
+    assert resumed["resumed_from"]["step"] == 1 and resumed["steps"] == straight["steps"] - 1
+    assert (resumed["src_tokens"], resumed["tgt_tokens"]) == (straight["src_tokens"], straight["tgt_tokens"])
 
 
 FSDP_RUN = [*FAST, "data.train_size=200", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=1",

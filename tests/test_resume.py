@@ -104,7 +104,7 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     # what it had reached, as the checkpoint holds it
     assert summary["steps"] == 7 and summary["tgt_tokens"] == ckpt["progress"]["totals"]["total_tgt_tokens"] > 0
     assert summary["peak_memory_mb"] == pytest.approx(ckpt["progress"]["memory"]["run_peak"] / 2**20, abs=0.05)
-    assert ckpt["progress"]["step"] == 7 and ckpt["progress"]["batch_in_epoch"] == 7
+    assert ckpt["progress"]["step"] == 7 and ckpt["progress"]["batches_done"] == 7
     assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= ckpt.keys()
 
 
@@ -298,3 +298,13 @@ def test_a_run_without_fp16_resumes_with_fp16_and_a_failed_load_leaves_the_run_a
     summary = train(fast_cfg(*again))
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2 and summary["steps"] == 4
     assert summary["strategy"] == "amp"
+
+
+def test_a_checkpoint_from_before_batches_were_counted_resumes_at_its_batch():
+    """Checkpoints written before 2026-12-02 counted the epoch's optimizer steps, one batch per rank."""
+    from src.state import Progress
+
+    old = Progress().to_dict()
+    del old["batches_done"]
+    one, two = ({"progress": {**old, "batch_in_epoch": 3}, "rng_ranks": ranks} for ranks in (None, [{}, {}]))
+    assert Progress.from_checkpoint(one).batches_done == 3 and Progress.from_checkpoint(two).batches_done == 6
