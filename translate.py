@@ -83,14 +83,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_decoding(ckpt: dict, args: argparse.Namespace) -> dict:
-    """The decoding settings: the flags given, else the run's own (its trainer config in the checkpoint), else the
-    config's defaults."""
+    """The decoding settings: the flags given, else the run's own (its trainer config and memory strategy in the
+    checkpoint), else the config's defaults."""
     config = ckpt.get("config") or {}
     run = config.get("trainer") or {}
     defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10}
     decoding = {key: next(v for v in (getattr(args, key), run.get(key), default) if v is not None)
                 for key, default in defaults.items()}
-    amp = args.amp or (config.get("memory") or {}).get("amp")
+    # the strategy the run trained and evaluated with: memory=auto's choice (amp, say) is not in its config
+    strategy = ckpt.get("strategy") or {"amp": (config.get("memory") or {}).get("amp")}
+    amp = args.amp or strategy.get("amp")
     decoding["amp"] = None if amp == "none" else amp
     return decoding
 

@@ -1,5 +1,7 @@
 """Whole runs: train(cfg) through the compose API, and train.py / translate.py as a user runs them."""
 
+import argparse
+import dataclasses
 import io
 import json
 import os
@@ -13,6 +15,7 @@ import torch
 import translate
 from src.checkpoint import load_checkpoint
 from src.environment import REPO, git_state
+from src.memory import MemoryStrategy
 from src.run import train
 from src.trainer import Trainer, inverse_sqrt_schedule
 from train import scores
@@ -115,6 +118,22 @@ def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp
     assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, amp bf16\n" in capsys.readouterr().err
     assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none") != hyps
     assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, amp None\n" in capsys.readouterr().err
+
+
+def test_translate_py_decodes_with_the_precision_memory_auto_chose():
+    """memory=auto may choose amp, which its run validated and tested under, though its config says
+    memory.amp=null: the checkpoint's strategy is what the run used."""
+    chosen = dataclasses.replace(MemoryStrategy(auto=True, budget_gb=1.0), amp="bf16", accum_steps=2)
+    ckpt = {"config": {"trainer": {}, "memory": {"amp": None, "auto": True}}, "strategy": dataclasses.asdict(chosen)}
+    assert translate.run_decoding(ckpt, translate_args())["amp"] == "bf16"
+    assert translate.run_decoding(ckpt, translate_args(amp="none"))["amp"] is None
+    plain = {"config": {"memory": {"amp": "fp16"}}}  # a checkpoint without its strategy: the config's
+    assert translate.run_decoding(plain, translate_args())["amp"] == "fp16"
+
+
+def translate_args(**flags) -> argparse.Namespace:
+    unset = dict.fromkeys(("beam_size", "length_penalty", "max_len_a", "max_len_b", "amp"))
+    return argparse.Namespace(**{**unset, **flags})
 
 
 def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, capsys):
