@@ -74,15 +74,28 @@ def check_overrides(overrides: list[str]) -> None:
         if key:
             raise ConfigError(_unknown_key(key, overrides)) from None
         raise ConfigError(str(e).splitlines()[0]) from None
-    # the values typed against the defaults of the same groups
-    groups = [o for o in overrides if "=" in o and "." not in o.split("=")[0] and not o.startswith(("+", "~"))]
+    # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
+    # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
+    groups = [o for o in overrides if _group_choice(o)]
     defaults = OmegaConf.to_container(_compose(groups), resolve=False)
+    plain = [o for o in groups if o.split("=")[0] not in PRESETS]
+    group_defaults = OmegaConf.to_container(_compose(plain), resolve=False) if plain != groups else defaults
     given = OmegaConf.to_container(cfg, resolve=False)
     for override in overrides:
+        if _group_choice(override):
+            continue
         key = override.split("=")[0].lstrip("+~")
-        if "." not in key and key in given and isinstance(given[key], dict):
-            continue  # a group choice
-        _check_type(key, _get(defaults, key), _get(given, key))
+        default = _get(group_defaults, key)
+        _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
+
+
+PRESETS = ("experiment", "debug")  # groups whose options set other groups' keys
+
+
+def _group_choice(override: str) -> bool:
+    """``model=base``, ``hydra/launcher=slurm``: an option of a config group (a folder of conf/), not a value."""
+    key = override.split("=")[0]
+    return "=" in override and not override.startswith(("+", "~")) and "." not in key and (CONF / key).is_dir()
 
 
 def _unknown_key(key: str, overrides: list[str]) -> str:

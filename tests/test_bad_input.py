@@ -23,6 +23,7 @@ COMMAND_LINE = [
     ("unknown option of a group", ["memory=amd"], "memory=amd: no such option; memory is one of accum, amp, auto"),
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
+    ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
 ]

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from src.config_check import check_command_line
 from src.errors import ConfigError
 from src.memory import memory_strategy
 
@@ -134,3 +135,10 @@ def test_every_documented_command_composes():
             check_command_line(args)
         except ConfigError as e:
             pytest.fail(f"{where}\n  {e}")
+
+
+def test_a_presets_value_is_not_the_type_its_key_takes():
+    """paper_base sets trainer.max_len_a to 1, an integer; the key takes a number, as its group default (1.5) says."""
+    check_command_line(["experiment=paper_base", "trainer.max_len_a=1.2"])
+    with pytest.raises(ConfigError, match=r"^trainer.max_len_a=abc: expected a number \(the default is 1.5\)$"):
+        check_command_line(["experiment=paper_base", "trainer.max_len_a=abc"])
