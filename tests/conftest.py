@@ -59,6 +59,10 @@ def fast_cfg(tmp_path, shared_cache):
 def xlmr_dir(tmp_path_factory) -> Path:
     """A small tokenizer of XLM-R's class (sentencepiece unigram, XLM-R's special pieces and order), trained
     here on synthetic text and saved with save_pretrained: what `tokenizer=xlmr` loads from the hub."""
+    return make_xlmr_tokenizer(tmp_path_factory.mktemp("xlmr"))
+
+
+def make_xlmr_tokenizer(out: Path, vocab_size: int = 500) -> Path:
     import sentencepiece as spm
     from transformers import XLMRobertaTokenizer
 
@@ -68,14 +72,13 @@ def xlmr_dir(tmp_path_factory) -> Path:
     text = [s for pair in pairs for s in pair]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(text), model_writer=model, vocab_size=500, model_type="unigram",
+        sentence_iterator=iter(text), model_writer=model, vocab_size=vocab_size, model_type="unigram",
         character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     pieces = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
     vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     vocab += [p for p in pieces if p[0] not in ("<unk>", "<s>", "</s>")] + [("<mask>", 0.0)]
-    out = tmp_path_factory.mktemp("xlmr")
     XLMRobertaTokenizer(vocab=vocab).save_pretrained(out)
     return out
 

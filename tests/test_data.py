@@ -31,7 +31,7 @@ from src.data.synthetic import LengthDistribution
 from src.errors import ConfigError, DataError
 from src.fileio import atomic_path, write_text
 
-from .conftest import multi30k_root
+from .conftest import make_xlmr_tokenizer, multi30k_root
 
 
 def write(path, lines, gz=False, raw: bytes | None = None):
@@ -394,6 +394,29 @@ def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 10, "the interrupt waited for the child"
     assert not multiprocessing.active_children()
+
+
+def test_encoded_corpus_cache_follows_the_tokenizer_in_a_directory_and_spacys_pipelines(tmp_path):
+    """tokenizer.name_or_path names a directory: another tokenizer saved there is another cache entry (its ids
+    were those of the earlier tokenizer, decoded by the new one into other words). spaCy's named pipelines are
+    packages whose versions count as spaCy's does."""
+    import shutil
+
+    from src.data.encode import package_versions
+
+    corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
+    directory, cache = tmp_path / "tokenizer", tmp_path / "cache"
+    spec = {"name": "xlmr", "name_or_path": str(directory)}
+    make_xlmr_tokenizer(directory, vocab_size=500)
+    first = encode_corpus(corpus, spec, cache)
+    assert encode_corpus(corpus, spec, cache).from_cache
+    shutil.rmtree(directory)
+    make_xlmr_tokenizer(directory, vocab_size=300)
+    second = encode_corpus(corpus, spec, cache)
+    assert not second.from_cache and len(second.tgt_codec) != len(first.tgt_codec)
+    sentence = corpus.splits["test"].tgt[0]
+    assert second.splits["test"].tgt[0].tolist() == second.tgt_codec.encode([sentence])[0]
+    assert "de_core_news_sm" in package_versions({"name": "spacy", "models": {"de": "de_core_news_sm"}})
 
 
 def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):

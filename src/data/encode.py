@@ -48,9 +48,11 @@ def code_digest() -> str:
 
 
 def package_versions(tokenizer: dict) -> dict[str, str | None]:
-    """The installed versions of the packages this tokenizer uses (None: not installed)."""
+    """The installed versions of the packages this tokenizer uses (None: not installed), spaCy's named pipelines
+    (``tokenizer.models``, installed as packages) included."""
     versions = {}
-    for name in TOKENIZER_PACKAGES.get(tokenizer.get("name"), ()):
+    pipelines = (tokenizer.get("models") or {}).values() if tokenizer.get("name") == "spacy" else ()
+    for name in (*TOKENIZER_PACKAGES.get(tokenizer.get("name"), ()), *sorted(pipelines)):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -107,10 +109,24 @@ class EncodedCorpus:
     encode_peak_rss_mb: float | None = None
 
 
+def tokenizer_files_digest(tokenizer: dict) -> str | None:
+    """The contents of a tokenizer given as a local directory (``tokenizer.name_or_path`` of xlmr): the same path
+    holding another tokenizer must not load the ids the earlier one made. None for a hub name, which its name and
+    the packages' versions key."""
+    path = Path(tokenizer.get("name_or_path") or "")
+    if tokenizer.get("name") != "xlmr" or not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f"\0{f.relative_to(path)}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cache_key(corpus: Corpus, tokenizer: dict) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"code": code_digest(), "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang]},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"code": code_digest(), "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang],
+                         "tokenizer_files": tokenizer_files_digest(tokenizer)}, sort_keys=True).encode())
     for name in sorted(corpus.splits):
         split = corpus.splits[name]
         h.update(f"\0{name}\0{len(split)}".encode())
