@@ -59,9 +59,10 @@ def hydra_job() -> dict:
 
 
 def run_name(label: str, overrides: list[str]) -> str:
-    """The strategy label plus the job's overrides that say what else differs (``amp model=small``); the memory
-    overrides are the label already, and output paths say nothing about the run."""
-    skip = ("memory=", "memory.", "+memory", "hydra.", "paths.", "logger", "sweep_name=")
+    """The strategy label plus the job's overrides that say what else differs (``amp model=small``, ``amp
+    memory.amp=fp16``): the choice of memory options is the label already (their values, bf16 or fp16 say, are not),
+    and output paths say nothing about the run."""
+    skip = ("memory=", "hydra.", "paths.", "logger", "sweep_name=")
     return " ".join([label, *(o for o in overrides if not o.lstrip("~+").startswith(skip))])
 
 

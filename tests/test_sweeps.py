@@ -276,6 +276,17 @@ def test_repeated_settings_keep_one_row_per_job(tmp_path):
     assert [j.label for j in jobs] == ["none", "none"] and len(markdown_rows(write_report(sweep)[2])) == 2
 
 
+def test_jobs_that_differ_in_a_memory_value_have_different_names(tmp_path):
+    """memory=amp memory.amp=bf16,fp16: both are labelled amp; their names (report rows, W&B runs) tell them apart."""
+    assert run_name("amp", ["memory=amp", "memory.amp=fp16", "model=small"]) == "amp memory.amp=fp16 model=small"
+    sweep = tmp_path / "sweep"
+    for job, amp in (("0", "bf16"), ("1", "fp16")):
+        (sweep / job).mkdir(parents=True)
+        (sweep / job / "summary.json").write_text(json.dumps(
+            {"status": "completed", "strategy": "amp", "overrides": ["memory=amp", f"memory.amp={amp}"]}))
+    assert [j.label for j in load_sweep(sweep)] == ["amp memory.amp=bf16", "amp memory.amp=fp16"]
+
+
 def markdown_rows(table: str) -> list[str]:
     return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| job")]
 
