@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from src.config_check import check_command_line
 from src.errors import UserError
+from src.loggers import run_name
 from src.memory import CATEGORIES
 from src.planner import cost_note
 from src.run import plan_config
@@ -59,15 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    plan = rows[0][1]["plan"]
-    gpu, overhead, context = plan["gpu_gb"], plan["overhead"], plan["context_gb"]
     if len(rows) == 1:
+        job, conf, strategy, est, _ = rows[0]
+        gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], conf["plan"]["context_gb"]
         print_one(*rows[0], gpu, overhead, context)
-        job, _, strategy, est, _ = rows[0]
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             print_fix(job, gpu, est)
     else:
-        print_table(rows, gpu, overhead, context)
+        print_table(rows)
     return 0
 
 
@@ -112,25 +112,39 @@ def print_fix(job: list[str], gpu: float, configured) -> None:
           "same effective batch")
 
 
-def print_table(rows, gpu, overhead, context) -> None:
+def print_table(rows) -> None:
+    """One row per job, ranked by peak. What the jobs share (the card, the margins, the worst-case lengths, the
+    device planned for) is said once; where a sweep varies it, each row says its own."""
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
-    head = ["run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", f"fits {gpu:g} GB", "expected cost"]
+    plans = [r[1]["plan"] for r in ranked]
+    cards = {(p["gpu_gb"], p["overhead"], p["context_gb"]) for p in plans}
+    lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
+    devices = {r[4]["device"] for r in ranked}
+    fits = f"fits {plans[0]['gpu_gb']:g} GB" if len(cards) == 1 else "fits plan.gpu_gb"
+    head = ["run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "expected cost"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
-    for job, _conf, strategy, est, _info in ranked:
-        varying = " ".join(o for o in job if o not in shared and not o.startswith("memory"))
-        name = f"{strategy.label} {varying}".strip()
+    for (job, _conf, strategy, est, _info), plan in zip(ranked, plans, strict=True):
+        name = run_name(strategy.label, [o for o in job if o not in shared])
         split = est.split_mb()
-        need = est.required_gb(overhead, context)
+        need = est.required_gb(plan["overhead"], plan["context_gb"])
         s = est.shape
+        batch = f"{s.accum_steps} x {s.pairs} pairs" + (f" of {s.src_len}/{s.tgt_len} positions" if len(lengths) > 1 else "")
+        verdict = "yes" if need <= plan["gpu_gb"] else "**no**"
         print("| " + " | ".join([
-            name, f"{s.accum_steps} x {s.pairs} pairs", f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES),
-            f"{need:.2f}", "yes" if need <= gpu else "**no**", cost_note(strategy)]) + " |")
-    first = ranked[0][3].shape
-    print(f"\nworst-case batch: {first.src_len} source / {first.tgt_len} target positions per pair; "
-          f"needs = peak x {1 + overhead:.2f} + {context} GB CUDA context; planned "
-          f"{DEVICE_NOTE[ranked[0][4]['device']]}")
+            name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
+            verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", cost_note(strategy)]) + " |")
+    notes = []
+    if len(lengths) == 1:
+        notes.append("worst-case batch: {} source / {} target positions per pair".format(*lengths.pop()))
+    if len(cards) == 1:
+        _, overhead, context = cards.pop()
+        notes.append(f"needs = peak x {1 + overhead:.2f} + {context} GB CUDA context")
+    else:
+        notes.append("needs = peak x (1 + plan.overhead) + plan.context_gb, each row's own")
+    notes.append(f"planned {DEVICE_NOTE[devices.pop()]}" if len(devices) == 1 else "planned for each row's plan.device")
+    print("\n" + "; ".join(notes))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,25 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
     assert rows[0].split(" | ")[-2] == "yes" and rows[1].split(" | ")[-2] == "**no**"
 
 
+def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
+    """What the jobs share is said once; what a sweep varies (the card, the worst-case lengths) each row says."""
+    import plan
+
+    tiny = ["model=tiny", "plan.src_len=200", "plan.tgt_len=200", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
+    assert plan.main(["-m", "memory=none,truncate", *tiny]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [(r[0], r[1]) for r in rows] == [("| truncate", "1 x 64 pairs of 33/33 positions"),
+                                            ("| none", "1 x 64 pairs of 201/201 positions")]
+    assert "worst-case batch" not in out  # it was the first row's, said of every row
+    assert plan.main(["-m", "plan.gpu_gb=0.5,2", *tiny]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [(r[0], r[-2]) for r in rows] == [("| none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
+                                             ("| none plan.gpu_gb=2", "yes (2 GB)")]
+    assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
+
+
 def test_plan_command_bad_override_is_one_line():
     proc = run_cli("plan.py", "memory.accum_steps=0", "plan.src_len=10", "plan.tgt_len=10", "plan.src_vocab=50",
                    "plan.tgt_vocab=50")
