@@ -65,7 +65,8 @@ class Job:
         if accum > 1:
             micro = f"{-(-max_tokens // accum):,} tokens" if max_tokens else -(-batch // accum) if batch else "?"
             text += f" ({accum} x {micro})"
-        return text
+        world = s.get("world_size") or 1  # torchrun: a batch (or token budget) per rank in each optimizer step
+        return f"{world} ranks x {text}" if world > 1 else text
 
     @property
     def train_rows(self) -> list[dict]:

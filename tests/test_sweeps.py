@@ -287,6 +287,16 @@ def test_jobs_that_differ_in_a_memory_value_have_different_names(tmp_path):
     assert [j.label for j in load_sweep(sweep)] == ["amp memory.amp=bf16", "amp memory.amp=fp16"]
 
 
+def test_a_torchrun_jobs_effective_batch_counts_its_ranks(tmp_path):
+    """Under torchrun each rank trains a batch of data.batch_size pairs (or data.max_tokens) per optimizer step."""
+    for world, expected in ((1, "64 pairs (4 x 16)"), (2, "2 ranks x 64 pairs (4 x 16)")):
+        job = tmp_path / str(world)
+        job.mkdir()
+        (job / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "accum", "batch_size": 64,
+                                                      "final_accum_steps": 4, "world_size": world}))
+        assert load_sweep(job)[0].effective_batch == expected
+
+
 def markdown_rows(table: str) -> list[str]:
     return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| job")]
 
