@@ -110,6 +110,9 @@ def test_command_line_mistakes(what, overrides, message):
     with pytest.raises(UserError) as e:
         check_command_line(overrides)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    # and the docs show the whole line (the list of a group's options, say), not only its start
+    row = next(r for r in DOC.read_text().splitlines() if r.startswith(f"| {what} |"))
+    assert row.endswith(f" | `{str(e.value).replace('|', chr(92) + '|')}` |"), row
 
 
 # the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
@@ -223,6 +226,8 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "a target language whose BLEU tokenizer is not installed"}
     assert documented == tried
     assert len(tried) >= 12
+    readme = (ROOT / "README.md").read_text()
+    assert f"lists the {len(rows)} kinds tried" in " ".join(readme.split())
     text = DOC.read_text()
     for what, _, message in COMMAND_LINE + RUN + FILES:
         row = next(r for r in rows if r.startswith(f"| {what} |"))
