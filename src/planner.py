@@ -50,16 +50,34 @@ class StepShape:
     accum_steps: int = 1
 
 
-def worst_case_shape(longest_src: int, longest_tgt: int, batch_size: int, max_tokens: int | None,
-                     accum_steps: int) -> StepShape:
-    """The batch the data settings allow at their longest. ``longest_*`` count tokens without specials. A
-    token budget holds ``max_tokens // size`` such pairs (size: the longer side plus one special, as batching
-    counts it); accumulation cuts the batch into ``accum_steps`` micro-batches, the largest of which is planned."""
+def worst_case_shapes(longest_src: int, longest_tgt: int, batch_size: int, max_tokens: int | None,
+                      accum_steps: int) -> list[StepShape]:
+    """The batches the data settings allow at their worst; ``longest_*`` count tokens without specials, and
+    accumulation cuts a batch into ``accum_steps`` micro-batches, the largest of which is planned.
+
+    ``batch_size`` pairs: one shape, every pair at the longest lengths. A token budget (a batch of n pairs of size
+    at most s, the longer side plus one special as batching counts it, has n x s <= max_tokens) allows many
+    batches, each with about ``max_tokens`` positions on its longer side. Their memory is convex in s (the
+    shorter side's positions fall with s, attention's squares grow), so the worst is at an end: s the longest
+    size (the most positions per sentence), or s the shorter side's longest (that side's positions most: the
+    logits', where it is the target). At each, ``max_tokens // s`` pairs, and one pair more at the size that
+    lets it fit, where the budget's rounding leaves more positions that way."""
     src_len, tgt_len = longest_src + 1, longest_tgt + 1
-    size = max(longest_src, longest_tgt) + 1
-    pairs = max(1, max_tokens // size) if max_tokens else batch_size
-    accum = min(accum_steps, pairs)
-    return StepShape(pairs=-(-pairs // accum), src_len=src_len, tgt_len=tgt_len, accum_steps=accum)
+    if not max_tokens:
+        batches = [(batch_size, src_len, tgt_len)]
+    else:
+        batches = []
+        for size in dict.fromkeys((max(src_len, tgt_len), min(src_len, tgt_len))):
+            pairs = max(1, max_tokens // size)
+            batches.append((pairs, min(size, src_len), min(size, tgt_len)))
+            smaller = max_tokens // (pairs + 1)  # the largest size at which one pair more fits
+            if (pairs + 1) * smaller > pairs * size:
+                batches.append((pairs + 1, min(smaller, src_len), min(smaller, tgt_len)))
+    shapes = []
+    for pairs, src, tgt in batches:
+        accum = min(accum_steps, pairs)
+        shapes.append(StepShape(pairs=-(-pairs // accum), src_len=src, tgt_len=tgt, accum_steps=accum))
+    return list(dict.fromkeys(shapes))
 
 
 @dataclass
@@ -150,6 +168,15 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     if strategy.fsdp:
         return shard_estimate(est, args, world_size)
     return with_ddp_buckets(est) if world_size > 1 else est
+
+
+def estimate_worst(args: ModelArgs, strategy: MemoryStrategy, shapes: list[StepShape], label_smoothing: float = 0.1,
+                   clip_grad_norm: float | None = 1.0, world_size: int = 1, device: str = "cpu") -> Estimate:
+    """The largest of the steps of ``shapes`` (``worst_case_shapes``); its ``seconds`` are all of theirs."""
+    estimates = [estimate_step(args, strategy, shape, label_smoothing, clip_grad_norm, world_size, device)
+                 for shape in shapes]
+    worst = max(estimates, key=lambda e: e.peak_bytes)
+    return dataclasses.replace(worst, seconds=sum(e.seconds for e in estimates))
 
 
 def with_ddp_buckets(est: Estimate) -> Estimate:
@@ -307,18 +334,22 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
     if not base.checkpoint:
         stages.append({**stages[-1], "checkpoint": True})
     estimates: dict = {}
+
+    def shapes(accum: int) -> tuple[StepShape, ...]:
+        return tuple(worst_case_shapes(longest_src, longest_tgt, batch_size, base.max_tokens, accum))
+
     if configured is not None:
-        estimates[(base.label, configured.shape)] = configured
+        estimates[(base.label, shapes(base.accum_steps))] = configured
 
     def plan(extra: dict, accum: int) -> tuple[MemoryStrategy, Estimate]:
         candidate = dataclasses.replace(base, accum_steps=accum, **extra)
-        shape = worst_case_shape(longest_src, longest_tgt, batch_size, candidate.max_tokens, accum)
-        key = (candidate.label, shape)
+        key = (candidate.label, shapes(accum))
         if key not in estimates:
-            estimates[key] = estimate_step(args, candidate, shape, label_smoothing, clip_grad_norm, world_size, device)
+            estimates[key] = estimate_worst(args, candidate, list(key[1]), label_smoothing, clip_grad_norm,
+                                            world_size, device)
         return candidate, estimates[key]
 
-    one_pair = 10**9  # accumulation steps enough for micro-batches of one pair (worst_case_shape caps them)
+    one_pair = 10**9  # accumulation steps enough for micro-batches of one pair (worst_case_shapes caps them)
     tried: list[dict] = []
 
     def record(candidate: MemoryStrategy, est: Estimate) -> bool:
@@ -346,7 +377,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         doublings, pairs = [est.shape.accum_steps], [est.shape.pairs]  # the first does not fit; the last does
         while pairs[-1] > 1:  # up to one pair per micro-batch
             doublings.append(doublings[-1] * 2)
-            pairs.append(worst_case_shape(longest_src, longest_tgt, batch_size, base.max_tokens, doublings[-1]).pairs)
+            pairs.append(max(shape.pairs for shape in shapes(doublings[-1])))
         per_pair = (est.peak_bytes - least.peak_bytes) / (est.shape.pairs - 1)
         most_pairs = 1 + (budget_bytes - least.peak_bytes) / per_pair if per_pair > 0 else est.shape.pairs
         k = next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)

@@ -291,9 +291,9 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
                                                                device, world_size, configured)
         return strategy, est, info
-    shape = planner.worst_case_shape(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
-                                     strategy.accum_steps)
-    return strategy, planner.estimate_step(args, strategy, shape, ls, clip, world_size, device), info
+    shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                       strategy.accum_steps)
+    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device), info
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from src.planner import (
     StepShape,
     estimate_step,
     measure_step,
-    worst_case_shape,
+    worst_case_shapes,
 )
 from src.run import train
 
@@ -70,13 +70,40 @@ def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cp
         assert as_cpu.peak_bytes > 1.10 * fused_real, (strategy.label, as_cpu.peak_mb, fused_real)
 
 
-def test_worst_case_shape_follows_the_batching_rules():
-    assert worst_case_shape(40, 30, 128, None, 1) == StepShape(128, 41, 31, 1)
-    assert worst_case_shape(40, 30, 128, None, 4) == StepShape(32, 41, 31, 4)
-    assert worst_case_shape(40, 30, 128, None, 3) == StepShape(43, 41, 31, 3)  # the largest micro-batch
-    # a token budget of 2048 holds 2048 // 41 = 49 pairs of the longest size (the longer side plus one)
-    assert worst_case_shape(40, 30, 128, 2048, 1) == StepShape(49, 41, 31, 1)
-    assert worst_case_shape(40, 30, 128, 2048, 2) == StepShape(25, 41, 31, 2)
+def test_worst_case_shapes_follow_the_batching_rules():
+    assert worst_case_shapes(40, 30, 128, None, 1) == [StepShape(128, 41, 31, 1)]
+    assert worst_case_shapes(40, 30, 128, None, 4) == [StepShape(32, 41, 31, 4)]
+    assert worst_case_shapes(40, 30, 128, None, 3) == [StepShape(43, 41, 31, 3)]  # the largest micro-batch
+    # a token budget of 2048 holds 2048 // 41 = 49 pairs of the longest size (the longer side plus one), and
+    # 2048 // 31 = 66 pairs whose both sides are as long as the shorter side's longest
+    assert worst_case_shapes(40, 30, 128, 2048, 1) == [StepShape(49, 41, 31, 1), StepShape(66, 31, 31, 1)]
+    assert worst_case_shapes(40, 30, 128, 2048, 2) == [StepShape(25, 41, 31, 2), StepShape(33, 31, 31, 2)]
+    # the budget's rounding: one pair of 501 fits in 1,000 tokens, and two of 500
+    assert worst_case_shapes(500, 500, 128, 1000, 1) == [StepShape(1, 501, 501), StepShape(2, 500, 500)]
+
+
+@pytest.mark.parametrize("src_lens,tgt_lens", [([500] + [499] * 10, [500] + [499] * 10),  # the budget's rounding
+                                               ([100] + [19] * 200, [20] + [19] * 200)],  # one long source
+                         ids=["rounding", "uneven-sides"])
+def test_a_token_budgets_plan_covers_every_batch_it_makes(src_lens, tgt_lens):
+    """Every micro-batch token batching makes of these pairs needs at most what the plan estimates: planned at the
+    longest size alone, the first missed two pairs of 500 (one of 501 was planned) and the second a batch of 50
+    pairs of 20 (9 of 101 sources and 21 targets, a fifth of the logits)."""
+    from src.data.batching import micro_batches, token_batch_indices
+    from src.data.encode import EncodedSplit
+    from src.planner import estimate_worst
+
+    args = ModelArgs(src_vocab=8000, tgt_vocab=8000, pad_id=0, **TINY)
+    strategy = MemoryStrategy(max_tokens=1000, accum_steps=2)
+    split = EncodedSplit([torch.full((n,), 5) for n in src_lens], [torch.full((n,), 5) for n in tgt_lens])
+    sizes = [max(s, t) + 1 for s, t in zip(src_lens, tgt_lens, strict=True)]
+    real = set()
+    for batch in token_batch_indices(sizes, 1000, shuffle=False):
+        parts = micro_batches(split, batch, sizes, 2, 0, 1, 2)  # one pair alone is one micro-batch
+        real |= {StepShape(mb.src.size(0), mb.src.size(1), mb.tgt_out.size(1), len(parts)) for mb in parts}
+    planned = estimate_worst(args, strategy, worst_case_shapes(max(src_lens), max(tgt_lens), 128, 1000, 2))
+    worst = max(real, key=lambda shape: estimate_step(args, strategy, shape).peak_bytes)
+    assert estimate_step(args, strategy, worst).peak_bytes <= planned.peak_bytes, (worst, planned.shape)
 
 
 def test_plan_command_prints_the_split_and_the_verdict(capsys):
@@ -198,7 +225,7 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
         for extra in ({}, {"amp": "bf16"}, {"amp": "bf16", "checkpoint": True}):
             accum = base.accum_steps
             while True:
-                shape = worst_case_shape(40, 30, 24, None, accum)
+                shape = worst_case_shapes(40, 30, 24, None, accum)[0]
                 n += 1
                 if estimate(None, MemoryStrategy(**extra), shape).peak_bytes <= budget:
                     return (extra.get("amp"), extra.get("checkpoint", False), shape), n
@@ -229,7 +256,7 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
                     # two per stage passed over; in the stage that fits, also the prediction and its neighbour
                     assert made <= 2 * [None, "bf16"].index(expected[0]) + 2 * expected[1] + 4
                 # plan.py's "to fit": the configured setting's estimate, already made, is not made again
-                configured = estimate(None, base, worst_case_shape(40, 30, 24, None, base.accum_steps))
+                configured = estimate(None, base, worst_case_shapes(40, 30, 24, None, base.accum_steps)[0])
                 calls.clear()
                 again = planner.choose_strategy(None, base, 40, 30, 24, budget_mb * MiB, configured=configured)
                 assert (again[0], again[1].shape, again[2]) == (chosen, est.shape, tried) and len(calls) == made - 1
@@ -338,7 +365,7 @@ def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
 
     args = ModelArgs(src_vocab=20_000, tgt_vocab=20_000, pad_id=1, **TINY)
     base = MemoryStrategy(fsdp=True, auto=True, budget_gb=1.0)
-    shape = worst_case_shape(40, 30, 24, None, 1)
+    shape = worst_case_shapes(40, 30, 24, None, 1)[0]
     four, two = (estimate_step(args, base, shape, world_size=n).peak_bytes for n in (4, 2))
     assert four < two
     chosen, est, tried = planner.choose_strategy(args, base, 40, 30, 24, four, world_size=4)
