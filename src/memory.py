@@ -534,11 +534,11 @@ class PeakMemory:
         if self.allocator:
             self.window_peak = max(self.window_peak, self.allocator.peak())
         metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last_split, **self.last}
-        self.skip_window(reset_allocator=False)
+        self.skip_window()  # the allocator's peak too: the next window's starts from what is allocated now
         return {k: round(v, 1) for k, v in metrics.items()}
 
-    def skip_window(self, reset_allocator: bool = True) -> None:
-        if self.allocator and reset_allocator:
+    def skip_window(self) -> None:
+        if self.allocator:
             self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
 

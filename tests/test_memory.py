@@ -222,6 +222,46 @@ def test_with_an_allocator_every_step_is_measured_and_every_nth_split_by_categor
     assert peak.run_peak_split_mb()["optimizer"] == rows[4]["mem_optimizer_mb"]
 
 
+class PeakingAllocator(StandInAllocator):
+    """A stand-in whose peak is the most allocated since its last reset, as CUDA's is."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.most = 50 * 2**20
+
+    def reset_peak(self):
+        self.most = self.now
+
+    def peak(self):
+        return self.most
+
+    def allocated(self):
+        return self.now
+
+    def allocate(self, mib: int):
+        self.now += mib * 2**20
+        self.most = max(self.most, self.now)
+
+
+def test_a_windows_cuda_peak_is_its_own_steps():
+    """A log line's peak is of its window: a step of 900 MiB does not show in the next window of 100 MiB steps
+    (it did: the allocator's peak was not reset with the window), while what is allocated between the log line
+    and the next step counts in the next window."""
+    allocator = PeakingAllocator()
+    peak = PeakMemory(torch.device("cpu"), track=False, allocator=allocator)
+    logged = []
+    for step, mib in ((1, 850), (2, 50), (3, 50)):
+        if step == 3:  # between the log line and the step: 200 MiB that come and go
+            allocator.allocate(200)
+            allocator.allocate(-200)
+        with peak.measure(step):
+            allocator.allocate(mib)
+            allocator.allocate(-mib)
+        logged.append(peak.window_metrics()["peak_memory_mb"])
+    assert logged == [900, 100, 250]
+    assert peak.run_peak_mb() == 900
+
+
 def test_a_run_with_an_allocator_logs_its_figures_and_every_nth_split(fast_cfg, monkeypatch):
     """The CUDA ledger through a whole run, on the CPU: PeakMemory gets the stand-in allocator. Every log line
     (a window of two steps) carries the allocator's figures of its last step; a line whose steps include a counted
