@@ -440,7 +440,7 @@ class PeakMemory:
         self.run_reserved = 0
         self.run_tracked_peak = 0
         self.run_peak_by_category: dict[str, int] = {}
-        self.run_max_delta = {"forward": 0, "backward": 0}
+        self.run_max_delta: dict[str, int | None] = {"forward": None, "backward": None}  # none measured yet
         self.window_peak = 0
         self.window_sampled = False
         self.last: dict[str, float] = {}  # the ledger of the window's last measured step, in MiB
@@ -521,8 +521,9 @@ class PeakMemory:
             forward = marks["forward_end"] - marks["forward_start"]
             backward = marks["backward_end"] - marks["forward_end"]
             self.last.update(mem_forward_delta_mb=forward / mib, mem_backward_delta_mb=backward / mib)
-            self.run_max_delta = {"forward": max(self.run_max_delta["forward"], forward),
-                                  "backward": max(self.run_max_delta["backward"], backward)}
+            for phase, change in (("forward", forward), ("backward", backward)):  # backward: mostly a release
+                most = self.run_max_delta[phase]
+                self.run_max_delta[phase] = change if most is None else max(most, change)
         self.window_peak = max(self.window_peak, peak)
         self.window_sampled = True
         self.run_peak = max(self.run_peak, peak)
@@ -562,10 +563,11 @@ class PeakMemory:
         return {k: round(v / 2**20, 1) for k, v in self.run_peak_by_category.items()}
 
     def run_deltas_mb(self) -> dict[str, float] | None:
-        """The largest growth of live memory seen during one forward pass and one backward pass, in MiB."""
+        """The largest change of live memory seen during one forward pass and during one backward pass, in MiB
+        (backward's is negative where every backward pass releases more than it allocates)."""
         if not self.available:
             return None
-        return {k: round(v / 2**20, 1) for k, v in self.run_max_delta.items()}
+        return {k: None if v is None else round(v / 2**20, 1) for k, v in self.run_max_delta.items()}
 
     def run_reserved_mb(self) -> float | None:
         return self.run_reserved / 2**20 if self.allocator else None

@@ -808,7 +808,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             "nonfinite_skips": p.nonfinite_skips,
             "peak_memory_mb": _round(peak.run_peak_mb()),
             "peak_memory_split_mb": peak.run_peak_split_mb(),
-            "memory_delta_mb": peak.run_deltas_mb(),  # the largest growth during one forward / one backward pass
+            "memory_delta_mb": peak.run_deltas_mb(),  # the largest change during one forward / one backward pass
             "peak_reserved_mb": _round(peak.run_reserved_mb()),
             "best_step": p.best_step,
             "valid_bleu": p.valid_scores.get("bleu"),

@@ -243,6 +243,21 @@ class PeakingAllocator(StandInAllocator):
         self.most = max(self.most, self.now)
 
 
+def test_the_runs_backward_change_is_what_its_steps_measured():
+    """Backward passes release memory: the run's largest backward change is then negative (it read 0.0 from a
+    zero it started with), and None where no step was measured."""
+    peak = PeakMemory(torch.device("cpu"))
+    assert peak.run_deltas_mb() == {"forward": None, "backward": None}
+    for step, mib in ((1, 4), (2, 2)):
+        with peak.measure(step):
+            peak.mark("forward_start")
+            x = torch.ones(mib * 2**18)  # mib MiB of float32
+            peak.mark("forward_end")
+            del x
+            peak.mark("backward_end")
+    assert peak.run_deltas_mb() == {"forward": 4.0, "backward": -2.0}
+
+
 def test_a_windows_cuda_peak_is_its_own_steps():
     """A log line's peak is of its window: a step of 900 MiB does not show in the next window of 100 MiB steps
     (it did: the allocator's peak was not reset with the window), while what is allocated between the log line
