@@ -27,7 +27,7 @@ from src.errors import UserError
 from src.loggers import run_name
 from src.memory import CATEGORIES
 from src.planner import cost_note
-from src.run import plan_config
+from src.run import context_gb, plan_config
 
 CONF = Path(__file__).resolve().parent / "conf"
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if len(rows) == 1:
         job, conf, strategy, est, _ = rows[0]
-        gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], conf["plan"]["context_gb"]
+        gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], context_gb(conf["plan"])
         print_one(*rows[0], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             print_fix(job, gpu, est)
@@ -91,7 +91,8 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
     print(f"a GPU needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
-          f"{verdict} a {gpu:g} GB card (plan.gpu_gb)")
+          f"{verdict} a {gpu:g} GB card (plan.gpu_gb)" if info["device"] == "cuda" else
+          f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB (plan.gpu_gb)")
     if "tried" in info:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
                                                  for t in info["tried"]))
@@ -117,7 +118,7 @@ def print_table(rows) -> None:
     device planned for) is said once; where a sweep varies it, each row says its own."""
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
     plans = [r[1]["plan"] for r in ranked]
-    cards = {(p["gpu_gb"], p["overhead"], p["context_gb"]) for p in plans}
+    cards = {(p["gpu_gb"], p["overhead"], context_gb(p)) for p in plans}
     lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
     devices = {r[4]["device"] for r in ranked}
     fits = f"fits {plans[0]['gpu_gb']:g} GB" if len(cards) == 1 else "fits plan.gpu_gb"
@@ -128,7 +129,7 @@ def print_table(rows) -> None:
     for (job, _conf, strategy, est, _info), plan in zip(ranked, plans, strict=True):
         name = run_name(strategy.label, [o for o in job if o not in shared])
         split = est.split_mb()
-        need = est.required_gb(plan["overhead"], plan["context_gb"])
+        need = est.required_gb(plan["overhead"], context_gb(plan))
         s = est.shape
         batch = f"{s.accum_steps} x {s.pairs} pairs" + (f" of {s.src_len}/{s.tgt_len} positions" if len(lengths) > 1 else "")
         verdict = "yes" if need <= plan["gpu_gb"] else "**no**"

@@ -236,7 +236,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
     run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
     plan = conf.get("plan") or {}
-    context = plan.get("context_gb", 0.5) if device.type == "cuda" else 0.0  # no CUDA context on the CPU
+    context = context_gb({**plan, "device": device.type})  # no CUDA context on the CPU
     budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
     src, tgt = encoded.src_codec, encoded.tgt_codec
     args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
@@ -252,6 +252,12 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
         "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
         "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
     }
+
+
+def context_gb(plan: dict) -> float:
+    """The CUDA context a card needs beside the allocator's memory (``plan.context_gb``); none planned for the
+    CPU (``plan.device=cpu``), as a CPU run's memory=auto counts none."""
+    return plan.get("context_gb", 0.5) if plan.get("device", "cuda") == "cuda" else 0.0
 
 
 def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple[MemoryStrategy, planner.Estimate, dict]:
@@ -286,7 +292,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     if world_size > 1:
         info["world_size"] = world_size
     if strategy.auto:
-        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), plan.get("context_gb", 0.5))
+        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context_gb(plan))
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
                                                                device, world_size, configured)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from src.memory import MemoryStrategy
+from src.memory import MemoryStrategy, memory_strategy
 from src.model import ModelArgs, Transformer
 from src.planner import (
     BASE,
@@ -145,6 +146,42 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     assert [(r[0], r[-2]) for r in rows] == [("| none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
                                              ("| none plan.gpu_gb=2", "yes (2 GB)")]
     assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
+
+
+def test_plan_py_gives_memory_auto_the_budget_a_run_on_that_device_gives_it(monkeypatch):
+    """plan.py memory=auto plans with the budget a run on plan.device would use: less the CUDA context on a GPU,
+    the whole budget on the CPU (it subtracted the context there too, and could predict another choice)."""
+    import types
+
+    import src.run
+    from src import planner
+
+    budgets = []
+
+    def spy(args, strategy, longest_src, longest_tgt, batch_size, budget, *rest, **kw):
+        budgets.append(budget)
+        raise StopIteration  # only the budget matters here
+
+    monkeypatch.setattr(planner, "choose_strategy", spy)
+    lengths = ["plan.src_len=30", "plan.tgt_len=30", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
+
+    class Codec:
+        pad_id = 1
+
+        def __len__(self):
+            return 1000
+
+    encoded = types.SimpleNamespace(src_codec=Codec(), tgt_codec=Codec())
+    split = types.SimpleNamespace(src=[[0] * 30], tgt=[[0] * 30])
+    for device in ("cpu", "cuda"):
+        conf = OmegaConf.to_container(compose_config("memory=auto", "memory.budget_gb=2", f"plan.device={device}",
+                                                     *lengths, run_dir=Path(".")), resolve=True)
+        budgets.clear()
+        with pytest.raises(StopIteration):
+            src.run.plan_config(conf)  # plan.py
+        with pytest.raises(StopIteration):  # a run's memory=auto
+            src.run.choose_for_budget(conf, memory_strategy(conf["memory"]), encoded, split, torch.device(device))
+        assert budgets[0] == budgets[1] == planner.usable_bytes(2, 0.10, 0.5 if device == "cuda" else 0.0)
 
 
 def test_plan_command_bad_override_is_one_line():
