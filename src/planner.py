@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .data.batching import Batch
 from .distributed import World, fully_shard_net
 from .errors import ConfigError
-from .memory import CATEGORIES, MemoryStrategy, create_optimizer_state, tracked_step
+from .memory import CATEGORIES, MemoryStrategy, create_optimizer_state, free_earlier_runs, tracked_step
 from .model import ModelArgs, Transformer
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule
 
@@ -221,6 +221,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     ``max_memory_allocated`` and ``max_memory_reserved`` during the step; on the CPU also ``at_start``, the bytes
     the step starts from (parameters and optimizer state). memory=fsdp: this rank's, inside the process group of
     ``world``."""
+    free_earlier_runs()  # the steps measured before this one, in this process: their tensors and cached blocks
     torch.manual_seed(0)
     model = Transformer(args).to(device)
     net = LossModule(model, args.pad_id, label_smoothing, strategy.loss_chunk)

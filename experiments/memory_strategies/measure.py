@@ -34,7 +34,7 @@ from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_ba
 from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
 from src.fileio import atomic_path, write_json, write_text  # noqa: E402
-from src.memory import CATEGORIES, MemoryStrategy, tracked_step  # noqa: E402
+from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
 from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
@@ -74,6 +74,7 @@ def fixed_batch(corpus, n: int = 128, seed: int = 0) -> list[int]:
 
 
 def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared, split, idx, device) -> dict:
+    free_earlier_runs()  # the configurations before this one, in this process: their tensors and cached blocks
     torch.manual_seed(0)
     args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
     model = Transformer(args).to(device)

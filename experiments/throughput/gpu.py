@@ -148,7 +148,7 @@ def write(results: dict, out: Path) -> None:
              f"(CUDA {results['cuda']}); measured "
              f"matrix products: bf16 {results['matmul_bf16_tflops']} TFLOP/s, fp32 {results['matmul_fp32_tflops']} "
              f"TFLOP/s; datasheet dense bf16 peak: {peak or 'unknown'} TFLOP/s.", "",
-             "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak allocated (MB) | peak reserved (MB) | "
+             "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak allocated (MiB) | peak reserved (MiB) | "
              "loss at last step | GFLOP/step | achieved TFLOP/s | of measured matmul rate | of datasheet bf16 peak |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in results["runs"].items():
