@@ -18,13 +18,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src import callbacks as sweep
 from src.config_check import check_command_line
 from src.errors import UserError
 from src.report import evaluated_on
 from src.run import pass_on_signal, train
 
 log = logging.getLogger("train")
-failed_jobs: list[tuple[str, bool]] = []  # this process's failed sweep jobs: (what failed, fail_on_error)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -47,10 +47,7 @@ def main(cfg: DictConfig) -> float:
             raise
         if not isinstance(e, UserError):
             log.error("job failed", exc_info=e)
-        reason = str(e).splitlines()[0] if str(e) else ""
-        job = f"job {HydraConfig.get().job.num} ({cfg.paths.output_dir}): {type(e).__name__}: {reason}"
-        failed_jobs.append((job, bool(cfg.get("fail_on_error"))))
-        return math.nan  # a failed trial, to a sweeper that optimizes the returned value
+        return math.nan  # a failed trial, to a sweeper that optimizes the returned value (and the next job starts)
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
     peak = summary["peak_memory_mb"]
@@ -86,7 +83,7 @@ if __name__ == "__main__":
         sys.exit(1)
     sys.argv[1:] = quiet_rank(sys.argv[1:])
     main()
-    if failed_jobs:
-        print(f"{len(failed_jobs)} sweep job(s) failed:", *(job for job, _ in failed_jobs), sep="\n  ", file=sys.stderr)
-        if any(strict for _, strict in failed_jobs):
+    if failed := sweep.outcome.failed:  # a multirun: read from its jobs' summaries, whichever launcher ran them
+        print(f"{len(failed)} sweep job(s) did not complete:", *failed, sep="\n  ", file=sys.stderr)
+        if sweep.outcome.fail_on_error:
             sys.exit(1)

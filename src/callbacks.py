@@ -1,5 +1,9 @@
 """Hydra callbacks, registered in ``conf/hydra/default.yaml``.
 
+``SweepStatus``: when a multirun ends, the jobs that did not complete, read from their ``summary.json`` (a job
+killed outright has none), for ``train.py`` to list and, with ``fail_on_error=true``, to exit with status 1. From
+the files, not from the jobs' return values: submitit's launchers run each job in a process of its own.
+
 ``SweepReport``: when a multirun ends (every job done, on the machine that launched it, SLURM included), the
 sweep's comparison is written into its directory as ``experiments/report.py`` writes it (``report.md``,
 ``report.png``) and the table is printed, so that ``python train.py -m memory=amp,accum`` ends with its runs
@@ -9,11 +13,39 @@ side by side. Turn it off with ``~hydra.callbacks.sweep_report``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from .errors import DataError
+
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepOutcome:
+    failed: list[str] | None = None  # the jobs that did not complete; None until a multirun has ended
+    fail_on_error: bool = False
+
+
+outcome = SweepOutcome()  # this process's last multirun
+
+
+class SweepStatus(Callback):
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from .report import load_sweep
+
+        try:
+            jobs = load_sweep(config.hydra.sweep.dir)
+        except DataError:  # no job wrote anything: every one of them failed to start
+            jobs = []
+            outcome.failed = [f"{config.hydra.sweep.dir}: no job directories"]
+        else:
+            outcome.failed = [f"job {job.name} ({job.path}): {job.status or 'no summary.json'}"
+                              + (f": {job.summary['error']}" if job.summary.get("error") else "")
+                              for job in jobs if job.status != "completed"]
+        outcome.fail_on_error = bool(config.get("fail_on_error"))
 
 
 class SweepReport(Callback):

@@ -87,12 +87,15 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
 @pytest.mark.slow
 def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
-    a checkpoint, submitit requeues the job, and the requeued job resumes from step 3 and completes."""
+    a checkpoint, submitit requeues the job, and the requeued job resumes from step 3 and completes. The sweep's
+    other job fails: with fail_on_error=true the sweep lists it and exits with status 1, although submitit ran
+    the jobs in processes of their own (their failures are read from their summaries)."""
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *FAST,
-                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2", "fault.at_step=3",
-                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error", "fault.at_step=3",
+                   "fail_on_error=true", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"1 sweep job(s) did not complete:\n  job 1 ({sweep / '1'}): failed: RuntimeError: injected" in proc.stderr
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
     assert summary["resumed_from"]["step"] == 3

@@ -111,7 +111,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
         assert stopped["steps"] == 2 and stopped["tokens_per_s"] > 0 and stopped["peak_memory_mb"] > 0
         assert stopped["peak_memory_split_mb"]["parameters"] > 0 and "test_bleu" not in stopped
     assert "steps" not in summaries[3]
-    assert "3 sweep job(s) failed" in proc.stderr
+    assert "3 sweep job(s) did not complete:" in proc.stderr
+    assert f"job 1 ({sweep / '1'}): oom: out of memory at step 3" in proc.stderr
     for job, status in zip("0123", ("completed", "oom", "failed", "failed")):
         w = read_wandb_run(wandb_file(sweep / job))
         assert w["summary"]["status"] == status
