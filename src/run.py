@@ -445,7 +445,7 @@ def train(cfg: DictConfig) -> dict:
                 name = run_name(strategy.label, summary["overrides"])
                 wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
                 logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
-                                   resuming=resumed is not None and not conf.get("ckpt_path"))
+                                   resuming=resumed is not None and resumed[0].resolve().parent == ckpt_dir)
                 return logger
 
             if resumed is None:
@@ -980,18 +980,18 @@ def pass_on_signal(signum: int) -> None:
 
 
 def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
-    """trainer.resume, or ``auto`` for a requeued job (after a preemption or a time limit): one that SLURM
-    restarted (SLURM_RESTART_COUNT > 0), or a submitit job whose run directory already holds checkpoints (a
-    sweep's jobs start in fresh directories, so only a requeue finds them)."""
-    if trainer.get("resume") is not None:
-        return trainer["resume"]
+    """trainer.resume, or ``auto`` for a requeued job (after a preemption or a time limit), which continues from
+    its own newest checkpoint: one that SLURM restarted (SLURM_RESTART_COUNT > 0), whatever trainer.resume it was
+    started with (``never`` starts its first attempt over, not every attempt), or, unless trainer.resume says
+    otherwise, a submitit job whose run directory already holds checkpoints (a sweep's jobs start in fresh
+    directories, so only a requeue finds them)."""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    submitit = os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
+    submitit = trainer.get("resume") is None and os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
     if restarts or submitit:
         log.info("a requeued job (%s): resuming from its newest checkpoint",
                  f"SLURM_RESTART_COUNT={restarts}" if restarts else "submitit, checkpoints in its run directory")
         return "auto"
-    return None
+    return trainer.get("resume")
 
 
 def _fault_settings(conf: dict, rank: int) -> dict:

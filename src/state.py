@@ -90,8 +90,11 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 
 def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
-    """The checkpoint to resume from and its contents: ``ckpt_path`` if given, else with ``resume=auto`` the
-    newest readable one in ``ckpt_dir`` (None when there is none yet: a fresh start)."""
+    """The checkpoint to resume from and its contents: with ``resume=auto`` the newest readable one in ``ckpt_dir``,
+    the run's own; else (or where it has none yet) ``ckpt_path`` if given; else None, a fresh start. A requeued
+    job started from another run's checkpoint (``ckpt_path``) so continues from its own, not from that one."""
+    if resume == "auto" and (own := newest_readable(ckpt_dir)) is not None:
+        return own
     if ckpt_path:
         path = Path(ckpt_path)
         if not path.is_file():
@@ -100,10 +103,14 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
             return path, load_checkpoint(path)
         except Exception as e:
             raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({_reason(e)})") from None
-    if resume in (None, "never"):
-        return None
-    if resume != "auto":
+    if resume not in (None, "never", "auto"):
         raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
+    return None
+
+
+def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
+    """The newest step checkpoint in ``ckpt_dir`` that can be read, and its contents; each one passed over is
+    named in a warning."""
     for _, path in step_checkpoints(ckpt_dir):
         try:
             state = load_checkpoint(path)

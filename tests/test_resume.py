@@ -308,3 +308,19 @@ def test_a_checkpoint_from_before_batches_were_counted_resumes_at_its_batch():
     del old["batches_done"]
     one, two = ({"progress": {**old, "batch_in_epoch": 3}, "rng_ranks": ranks} for ranks in (None, [{}, {}]))
     assert Progress.from_checkpoint(one).batches_done == 3 and Progress.from_checkpoint(two).batches_done == 6
+
+
+def test_a_run_started_from_another_runs_checkpoint_resumes_from_its_own(fast_cfg, tmp_path, shared_cache):
+    """Fine-tuning from ckpt_path, requeued (or rerun with trainer.resume=auto): the run continues from its own
+    newest checkpoint, not from the checkpoint it started from (it did, and trained its steps again)."""
+    first = fast_cfg("trainer.max_steps=2", "trainer.eval_every=2")
+    train(first)
+    start = Path(first.paths.output_dir) / "checkpoints" / "step_00000002.pt"
+    tuned = ["trainer.eval_every=2", "trainer.resume=auto", f"ckpt_path={start}"]
+    run = tmp_path / "tuned"
+    summary = train(compose_config(*FAST, *tuned, "trainer.max_steps=4", run_dir=run, cache_dir=shared_cache))
+    assert summary["resumed_from"] == {"path": str(start), "step": 2}
+    summary = train(compose_config(*FAST, *tuned, "trainer.max_steps=6", run_dir=run, cache_dir=shared_cache))
+    assert summary["resumed_from"] == {"path": str(run.resolve() / "checkpoints" / "step_00000004.pt"), "step": 4}
+    assert summary["steps"] == 6
+

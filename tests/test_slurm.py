@@ -64,7 +64,8 @@ def test_without_a_listener_sigusr2_is_left_alone():
 
 
 @pytest.mark.parametrize("restarts,setting,expected", [(None, None, None), ("0", None, None), ("1", None, "auto"),
-                                                       ("2", "auto", "auto")])
+                                                       ("2", "auto", "auto"), ("0", "never", "never"),
+                                                       ("1", "never", "auto")])  # never: the first attempt's
 def test_a_job_slurm_requeued_resumes(monkeypatch, tmp_path, restarts, setting, expected):
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
     if restarts is None:
