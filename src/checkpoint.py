@@ -22,6 +22,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The training step a checkpoint was written at, read without loading its tensors (memory-mapped); None for
+    a file that cannot be read or holds no progress."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]["step"]
+    except Exception:
+        return None
+
+
 def load_translator(path: str | Path | Sequence[str | Path], device: torch.device,
                     tokenizer_dir: str | Path | None = None):
     """(model in eval mode, source codec, target codec, checkpoint) from a run's checkpoint, or from several of one

@@ -28,7 +28,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from . import planner
-from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import averaged_checkpoint, checkpoint_step, load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
 from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
@@ -665,7 +665,13 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
         info["resumed_from"] = {"path": str(path), "step": p.step}
-        if not best_path.is_file():  # ckpt_path from another run: the best is chosen among this run's validations
+        # best.pt written after this checkpoint, by the attempt that died: not this run's history, which may differ
+        # (a shorter run, other settings), nor its test model
+        later = best_path.is_file() and (checkpoint_step(best_path) or 0) > p.step
+        if later and world.main:
+            best_path.unlink()
+            log.warning("%s was written after step %d, by the attempt that stopped: removed", best_path, p.step)
+        if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
             fresh = Progress()
             p.best_bleu, p.best_step, p.valid_scores, p.last_eval_step = (

@@ -324,3 +324,16 @@ def test_a_run_started_from_another_runs_checkpoint_resumes_from_its_own(fast_cf
     assert summary["resumed_from"] == {"path": str(run.resolve() / "checkpoints" / "step_00000004.pt"), "step": 4}
     assert summary["steps"] == 6
 
+
+
+def test_a_best_checkpoint_written_after_the_resumed_one_is_not_the_runs(fast_cfg):
+    """An attempt that died after writing best.pt at a later step than its newest step checkpoint: resumed (here
+    to stop at that checkpoint's step), the run validates and tests its own model, not the dead attempt's."""
+    cfg = fast_cfg("trainer.max_steps=6", "trainer.eval_every=2", "trainer.save_every=4")
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    (ckpts / "step_00000006.pt").replace(ckpts / "best.pt")  # the dead attempt's best.pt, of step 6
+    summary = train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=4",
+                             "trainer.resume=auto"))
+    assert summary["resumed_from"]["step"] == 4 and summary["best_step"] == 4
+    assert load_checkpoint(ckpts / "best.pt")["progress"]["step"] == 4
