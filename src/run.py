@@ -627,8 +627,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
 
     plain: list[Transformer] = []  # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
 
-    def evaluation_model(model_state: dict | None) -> Transformer:
-        """The model to evaluate: the trained one, or under memory=fsdp a plain copy with its gathered weights."""
+    def evaluation_model(model_state: dict | None = None) -> Transformer:
+        """The model to evaluate: the trained one, or under memory=fsdp a plain copy (with its gathered weights)."""
         if not strategy.fsdp:
             return model
         if not plain:
@@ -636,7 +636,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
             with torch.random.fork_rng(devices=[]):
                 plain.append(build_model(conf["model"], encoded).to(device))
-        plain[0].load_state_dict(model_state)
+        if model_state is not None:
+            plain[0].load_state_dict(model_state)
         return plain[0]
 
     max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
@@ -873,7 +874,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         # The test set is translated once: by the checkpoint with the best validation BLEU, or with
         # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
         # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
-        tested = plain[0] if strategy.fsdp else model  # memory=fsdp: the copy every evaluation used
+        # memory=fsdp: the copy evaluations use (made here where none ran in this process: a run resumed at its end)
+        tested = evaluation_model()
         if average_last:
             newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
             if len(newest) < average_last:

@@ -217,6 +217,21 @@ def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(ddp_and_fsdp, tmp_path,
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 8
 
 
+@pytest.mark.slow
+def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_cache):
+    """Resumed at its last step (a finished run, or one signalled in its last step), an FSDP run validates nothing
+    and tests its best checkpoint in a plain copy of the model that it makes then (it failed: no copy existed)."""
+    run = tmp_path / "fsdp"
+    shutil.copytree(ddp_and_fsdp / "fsdp", run)
+    before = json.loads((run / "summary.json").read_text())
+    proc = torchrun(str(ROOT / "train.py"), *FSDP_RUN, "memory=fsdp", f"hydra.run.dir={run}", "trainer.resume=auto",
+                    f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads((run / "summary.json").read_text())
+    assert after["status"] == "completed" and after["resumed_from"]["step"] == after["steps"] == 8
+    assert (after["test_bleu"], after["best_step"]) == (before["test_bleu"], before["best_step"])
+
+
 def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(tmp_path):
     """Under torchrun, rank 0 reads and tokenizes the corpus while rank 1 waits, then rank 1 loads the cache:
     once per machine, not once per GPU at the same time."""
