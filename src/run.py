@@ -413,6 +413,16 @@ def train(cfg: DictConfig) -> dict:
     claimed = False
     world = world_from_env()  # torchrun: this process's rank; rank 0 alone writes the run's files
     threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
+    conf: dict | None = None
+
+    def start_logger(resuming: bool) -> RunLogger:
+        """The run's config.yaml and its logger (metrics.jsonl, W&B)."""
+        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(conf))
+        label = summary.get("strategy", "?")
+        wandb_config = {**conf, "strategy": label, "overrides": summary["overrides"]}
+        return RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=run_name(label, summary["overrides"]),
+                         group=conf.get("sweep_name") or job.get("sweep_dir"), resuming=resuming)
+
     try:
         try:
             conf = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -440,12 +450,7 @@ def train(cfg: DictConfig) -> dict:
                 claimed = True
                 if not world.main:
                     return NullLogger()
-                write_text(run_dir / "config.yaml", OmegaConf.to_yaml(conf))
-                group = conf.get("sweep_name") or job.get("sweep_dir")
-                name = run_name(strategy.label, summary["overrides"])
-                wandb_config = {**conf, "strategy": strategy.label, "overrides": summary["overrides"]}
-                logger = RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=name, group=group,
-                                   resuming=resumed is not None and resumed[0].resolve().parent == ckpt_dir)
+                logger = start_logger(resuming=resumed is not None and resumed[0].resolve().parent == ckpt_dir)
                 return logger
 
             if resumed is None:
@@ -466,8 +471,16 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(threads)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        if world.main and (claimed or not holds_earlier_run(run_dir)):
+        writes = world.main and (claimed or not holds_earlier_run(run_dir))
+        if writes:
             write_json(run_dir / "summary.json", summary)
+        if writes and logger is None and conf is not None and summary["status"] in ("failed", "oom"):
+            # stopped by a setting before the run began (model.n_heads=3 in a sweep, say): its config and W&B run
+            # record the failure too, as those of a run that failed later do
+            try:
+                logger = start_logger(resuming=False)
+            except Exception as e:  # the logger's own settings, say: summary.json has the failure
+                log.warning("the failure is in summary.json only: no logger (%s: %s)", type(e).__name__, e)
         if logger is not None:
             logger.finish(summary)
     return summary

@@ -11,6 +11,7 @@ import torch
 from matplotlib import image
 from omegaconf import OmegaConf
 
+from src.errors import ConfigError
 from src.loggers import run_name
 from src.report import load_sweep, write_report
 from src.run import train
@@ -286,6 +287,18 @@ def test_jobs_that_differ_in_a_memory_value_have_different_names(tmp_path):
         (sweep / job / "summary.json").write_text(json.dumps(
             {"status": "completed", "strategy": "amp", "overrides": ["memory=amp", f"memory.amp={amp}"]}))
     assert [j.label for j in load_sweep(sweep)] == ["amp memory.amp=bf16", "amp memory.amp=fp16"]
+
+
+def test_a_job_stopped_by_a_setting_before_its_run_began_is_a_failed_wandb_run(fast_cfg, tmp_path):
+    """A sweep's job with a bad setting found before the run begins (model.n_heads=3, before any data is read)
+    shows on the dashboard as failed with its reason, as a job failing later does: it had a summary.json only."""
+    with pytest.raises(ConfigError, match="model.d_model=128 must be divisible by model.n_heads=3"):
+        train(fast_cfg("logger=wandb", "model.n_heads=3"))
+    run = tmp_path / "run"
+    w = read_wandb_run(wandb_file(run))
+    assert w["summary"]["status"] == "failed" and w["exit_code"] == 1
+    assert w["summary"]["error"].startswith("model.d_model=128 must be divisible by model.n_heads=3")
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed" and (run / "config.yaml").is_file()
 
 
 def test_a_torchrun_jobs_effective_batch_counts_its_ranks(tmp_path):
