@@ -48,6 +48,15 @@ def test_read_lines_plain_gz_crlf_and_bom(tmp_path):
         assert read_lines(tmp_path / name) == ["eins", "zwei"]
 
 
+def test_a_damaged_gz_file_is_named(tmp_path):
+    """A compressed stream damaged inside (its header intact) raises zlib's error, not an OSError: one line too."""
+    damaged = bytearray(gzip.compress(("Ein Hund läuft im Park.\n" * 200).encode()))
+    damaged[30:60] = bytes(b ^ 0xFF for b in damaged[30:60])
+    (tmp_path / "train.de.gz").write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=r"train\.de\.gz: cannot read \(Error -3 while decompressing data"):
+        read_lines(tmp_path / "train.de.gz")
+
+
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(DataError, match=r"nope\.de: file not found"):
         read_lines(tmp_path / "nope.de")
@@ -224,10 +233,17 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
     served = tmp_path / "served"
     served.mkdir()
     (served / "train.de.gz").write_bytes(b"payload")
-    failures = {"left": 2}
+    failures = {"left": 2, "cut": False}
 
     class Flaky(http.server.SimpleHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
         def do_GET(self):
+            if failures["left"] and failures["cut"]:  # a chunk announced, a part of it sent, the connection dropped
+                failures["left"] -= 1
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\npay")
+                self.close_connection = True
+                return
             if failures["left"]:
                 failures["left"] -= 1
                 self.send_error(503, "busy")
@@ -251,6 +267,10 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
         cached.write_bytes(b"payl")  # cut short
         assert corpus_mod.multi30k_file("train.de.gz", None, tmp_path / "cache", url) == cached
         assert cached.read_bytes() == b"payload"
+        # a body cut short by a dropped connection (chunked transfer: http.client's IncompleteRead) is retried
+        failures["left"], failures["cut"] = 1, True
+        assert download(f"{url}/train.de.gz", tmp_path / "dl" / "g.gz", good, backoff_s=0.01).read_bytes() == b"payload"
+        assert failures["left"] == 0
         started = time.perf_counter()
         with pytest.raises(DataError, match=r"missing.gz \(File not found\)"):
             download(f"{url}/missing.gz", tmp_path / "dl" / "m.gz", good, backoff_s=10)

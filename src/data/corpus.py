@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import logging
 import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,7 +67,7 @@ def read_lines(path: str | Path) -> list[str]:
         try:
             with opener(path, "rb") as f:
                 raw = f.read()
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged compressed stream
             raise DataError(f"{path}: cannot read ({e})") from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
@@ -165,7 +167,7 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
                 if got != expected_sha256:
                     raise _Corrupt(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")
             return dest
-        except (urllib.error.URLError, OSError, _Corrupt) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException, _Corrupt) as e:  # a body cut short too
             permanent = isinstance(e, urllib.error.HTTPError) and e.code < 500  # 404 stays 404
             if permanent or attempt == attempts:
                 if isinstance(e, _Corrupt):
