@@ -99,3 +99,19 @@ def test_length_distribution_controls_long_sentences():
 def test_bad_length_settings_name_the_key():
     with pytest.raises(ValueError, match="data.long_clauses"):
         LengthDistribution(max_clauses=4, long_fraction=0.1, long_clauses=3)
+
+
+def test_german_commas_prepositions_and_unambiguous_plurals():
+    """A verb-final clause (dass, weil, während) is closed by a comma before a main clause goes on with und; "on"
+    a wall, door or window is "an" (on top of something, "auf"); no English noun hides its number (fish)."""
+    import re
+
+    pairs = generate_corpus({"train": 3000}, seed=5, lengths=LengthDistribution())["train"]
+    german = [de for _, de in pairs]
+    assert not [de for de in german if re.search(r"\b(dass|weil|während) [^,]* und ", de)]
+    assert any(re.search(r"\b(dass|weil|während) [^,]*, und ", de) for de in german)
+    sides = r"(Wand|Wänden|Tür|Türen|Fenster|Fenstern)\b"
+    assert not [de for de in german if re.search(r"\bauf (\w+ ){0,2}" + sides, de)]
+    assert any(re.search(r"\b(an|am) (\w+ ){0,2}" + sides, de) for de in german)
+    assert any(re.search(r"\bauf (\w+ ){0,2}(Tisch|Tischen|Brücke|Brücken)\b", de) for de in german)
+    assert all(n.en != n.en_pl for n in NOUNS)

@@ -87,7 +87,7 @@ NOUNS: list[Noun] = [
         apple apples m Apfel Äpfel Äpfeln
         cake cakes m Kuchen Kuchen Kuchen
         bread breads n Brot Brote Broten
-        fish fish m Fisch Fische Fischen
+        egg eggs n Ei Eier Eiern
         soup soups f Suppe Suppen Suppen
         banana bananas f Banane Bananen Bananen
         """,
@@ -215,6 +215,8 @@ PREPOSITIONS = [
     ("under", "unter", frozenset({"landmark"})),
     ("on", "auf", frozenset({"landmark"})),
 ]
+# "on" a vertical surface is "an" in German ("an der Wand"), "auf" only on top of something ("auf dem Tisch").
+ON_THE_SIDE = frozenset({"Fenster", "Tür", "Wand"})
 CONTRACTIONS = {("in", "dem"): "im", ("an", "dem"): "am", ("zu", "dem"): "zum", ("zu", "der"): "zur"}
 
 ADVERBS = [("today", "heute"), ("often", "oft"), ("now", "jetzt"), ("sometimes", "manchmal"), ("usually", "meistens")]
@@ -441,7 +443,8 @@ class Grammar:
 
     def prepositional_phrase(self) -> tuple[tuple[str, str], NounPhrase]:
         en, de, kinds = self.rng.choice(PREPOSITIONS)
-        return (en, de), self.noun_phrase(kinds)
+        np = self.noun_phrase(kinds)
+        return (en, "an" if de == "auf" and np.noun.de in ON_THE_SIDE else de), np
 
     def clause(self, allow_adverb: bool) -> Clause:
         r, p = self.rng, self.lengths
@@ -472,6 +475,7 @@ class Grammar:
         """One (English, German) pair."""
         r = self.rng
         en, de = [], []
+        after_verb_final = False  # German closes a verb-final clause with a comma before a main clause goes on
         for i in range(self.num_clauses()):
             if i == 0:
                 clause = self.clause(allow_adverb=True)
@@ -485,11 +489,13 @@ class Grammar:
                 said = Clause(speaker, SAY)
                 inner = self.clause(allow_adverb=False)
                 en.append(f"{c_en} {said.en()} that {inner.en()}")
-                de.append(f"{c_de} {said.de()}, dass {inner.de(verb_final=True)}")
+                de.append(f"{', ' if after_verb_final else ''}{c_de} {said.de()}, dass {inner.de(verb_final=True)}")
+                after_verb_final = True
                 continue
             clause = self.clause(allow_adverb=not verb_final)
             en.append(f"{', ' if c_en == 'but' else ''}{c_en} {clause.en()}")
-            de.append(f"{', ' if comma else ''}{c_de} {clause.de(verb_final=verb_final)}")
+            de.append(f"{', ' if comma or after_verb_final else ''}{c_de} {clause.de(verb_final=verb_final)}")
+            after_verb_final = verb_final
         return capitalize(join_clauses(en)) + ".", capitalize(join_clauses(de)) + "."
 
 
