@@ -703,7 +703,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     def log_window() -> None:
         metrics = window.flush()
         if metrics:
-            metrics["epoch"] = p.epoch
+            metrics["epoch"] = window.epoch
             if peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
                 metrics["mfu"] = metrics["model_tflops"] / (peak_tflops * world.size)
             metrics.update(peak.window_metrics())
@@ -850,7 +850,7 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
                     profiler.step()
                     window.resume()
                     stats = train_step(indices, real, group)
-                    window.add(stats)
+                    window.add(stats, p.epoch)
                     p.step += 1
                     p.batches_done += len(group)
                     bar.update(1)
@@ -1040,6 +1040,7 @@ class _Window:
     def reset(self) -> None:
         self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
         self.loss = self.nll = self.grad_norm = self.lr = 0.0
+        self.epoch = 0  # the epoch of the window's last step
         self.seconds = 0.0
         self._t0: float | None = None
 
@@ -1054,13 +1055,15 @@ class _Window:
             self.seconds += time.perf_counter() - self._t0
             self._t0 = None
 
-    def add(self, stats) -> None:
+    def add(self, stats, epoch: int = 0) -> None:
         if stats.nonfinite:  # not an update: its NaN would poison the window's means
             return
         self.steps += 1
+        self.epoch = epoch
         self.loss = self.loss + stats.loss_sum  # device tensors: no host sync per step
         self.nll = self.nll + stats.nll_sum
-        self.grad_norm = self.grad_norm + stats.grad_norm
+        if not stats.skipped:  # fp16's routine overflow: an infinite norm, which the scaler skipped
+            self.grad_norm = self.grad_norm + stats.grad_norm
         self.tgt_tokens += stats.n_tgt_tokens
         self.src_tokens += stats.n_src_tokens
         self.padded += stats.n_padded
@@ -1104,13 +1107,14 @@ class _Window:
             "src_tokens": self.src_tokens,
             "loss": loss / self.tgt_tokens,
             "nll": nll / self.tgt_tokens,
-            "grad_norm": gn / self.steps,
             "lr": self.lr,
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,
             "padding_ratio": self.padding_ratio(),
             "model_tflops": self.flops / max(self.seconds, 1e-9) / 1e12,  # model FLOP/s (ModelArgs.training_flops)
         }
+        if self.steps > self.skipped:  # the norm of the updates taken (an fp16 step the scaler skipped has none)
+            metrics["grad_norm"] = gn / (self.steps - self.skipped)
         if self.skipped:
             metrics["fp16_skipped_steps"] = self.skipped
         self.reset()

@@ -448,3 +448,29 @@ def test_a_lowercasing_tokenizer_is_scored_case_insensitively(fast_cfg, tmp_path
     translate_test_set(cfg, tmp_path)
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # with --output, the scores go to stdout
     assert printed["bleu"] == summary["test_bleu"] and "case:lc" in printed["bleu_signature"]
+
+
+def test_a_windows_grad_norm_leaves_out_fp16_skipped_steps():
+    """A step the GradScaler skipped (an overflow: routine in fp16) has an infinite norm and no update: the window's
+    mean norm is of the updates taken (one skip made it infinite, null in metrics.jsonl)."""
+    from src.run import _Window
+    from src.trainer import StepStats
+
+    def stats(norm: float, skipped: bool) -> StepStats:
+        return StepStats(torch.tensor(10.0), torch.tensor(9.0), 5, 5, 12, torch.tensor(norm), skipped)
+
+    window = _Window(torch.device("cpu"))
+    for norm, skipped in ((float("inf"), True), (2.0, False), (4.0, False)):
+        window.add(stats(norm, skipped))
+    metrics = window.flush()
+    assert metrics["grad_norm"] == 3.0 and metrics["fp16_skipped_steps"] == 1 and metrics["loss"] == 2.0
+    window.add(stats(float("inf"), True))
+    assert "grad_norm" not in window.flush()
+
+
+def test_an_epochs_last_window_is_logged_with_its_epoch(fast_cfg):
+    """The window that ends an epoch's last step is logged with that epoch, not the next one the loop moved to."""
+    cfg = fast_cfg("trainer.max_steps=null", "trainer.max_epochs=1", "trainer.log_every=5", "trainer.eval_every=null")
+    train(cfg)
+    rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
+    assert [(r["step"], r["epoch"]) for r in rows] == [(5, 0), (10, 0), (15, 0), (19, 0)]
