@@ -64,6 +64,7 @@ from .state import (
     Progress,
     check_resumable,
     clear_for_fresh_start,
+    drop_later_checkpoints,
     find_resume,
     prune,
     rng_state,
@@ -679,12 +680,12 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
         info["resumed_from"] = {"path": str(path), "step": p.step}
-        # best.pt written after this checkpoint, by the attempt that died: not this run's history, which may differ
-        # (a shorter run, other settings), nor its test model
+        # Checkpoints written after this one, by an attempt that stopped: not this run's history, which may differ
+        # (a shorter run, other settings), nor its test model (best.pt, or the newest for average_last)
         later = best_path.is_file() and (checkpoint_step(best_path) or 0) > p.step
-        if later and world.main:
-            best_path.unlink()
-            log.warning("%s was written after step %d, by the attempt that stopped: removed", best_path, p.step)
+        if world.main and (removed := drop_later_checkpoints(ckpt_dir, p.step)):
+            log.warning("removed %s: written after step %d by an attempt that stopped", ", ".join(
+                path.name for path in removed), p.step)
         if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
             fresh = Progress()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_checkpoint
+from .checkpoint import checkpoint_step, load_checkpoint
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,20 @@ def step_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_FILE.match(p.name))]
     return sorted(found, reverse=True)
+
+
+def drop_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
+    """Remove the checkpoints in ``ckpt_dir`` written after ``step`` by an attempt a resumed run does not continue
+    (one that stopped after writing them, when an older checkpoint is resumed; the unreadable ones resume=auto
+    passed over): pruning keeps the highest step numbers, average_last averages the newest, and a later
+    resume=auto takes the newest, so they would pass for this run's. Returns what was removed."""
+    later = [path for s, path in step_checkpoints(ckpt_dir) if s > step]
+    best = ckpt_dir / "best.pt"
+    if best.is_file() and (checkpoint_step(best) or 0) > step:
+        later.append(best)
+    for path in later:
+        path.unlink(missing_ok=True)
+    return later
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:

@@ -337,3 +337,17 @@ def test_a_best_checkpoint_written_after_the_resumed_one_is_not_the_runs(fast_cf
                              "trainer.resume=auto"))
     assert summary["resumed_from"]["step"] == 4 and summary["best_step"] == 4
     assert load_checkpoint(ckpts / "best.pt")["progress"]["step"] == 4
+
+
+def test_step_checkpoints_written_after_the_resumed_one_are_removed(fast_cfg):
+    """Resumed from an older checkpoint of its directory, a run removes the later ones the earlier attempt left:
+    pruning kept them (the highest step numbers) over this run's own, and average_last averaged them in."""
+    first = ["trainer.max_steps=6", "trainer.eval_every=2"]
+    cfg = fast_cfg(*first)
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    summary = train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=2", "trainer.average_last=2",
+                             f"ckpt_path={ckpts / 'step_00000002.pt'}", "optim.lr=1e-2"))
+    assert summary["test_checkpoints"] == ["step_00000002.pt", "step_00000004.pt"]
+    assert sorted(p.name for p in ckpts.glob("*.pt")) == ["best.pt", "step_00000002.pt", "step_00000004.pt"]
+    assert load_checkpoint(ckpts / "step_00000004.pt")["config"]["optim"]["lr"] == 1e-2  # this run's own
