@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import src.run
-from src.data.batching import micro_batches, pair_sizes
+from src.data.batching import epoch_batches, micro_batches, pair_sizes
 from src.distributed import World, shard_steps
-from src.memory import MemoryStrategy
+from src.memory import MemoryStrategy, memory_strategy
 
 from .conftest import FAST, compose_config
 from .ddp_worker import ORDER
@@ -91,8 +92,12 @@ def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path, shared_cache):
     assert summary["test_bleu"] is not None and (run / "checkpoints" / "best.pt").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # one row per logged window, from rank 0 only
-    # The tokens of both ranks' batches: 2 ranks x 2 steps x 16 pairs of the 200-pair split.
-    assert sum(r["src_tokens"] for r in rows if "loss" in r) > 0
+    # The tokens of both ranks' batches: 2 ranks x 4 steps x 16 pairs of the 200-pair split, the epoch's first
+    # eight batches (rank 0's alone would be about half)
+    conf = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))
+    _, _, split, _ = src.run.prepare_data(conf, memory_strategy(conf["memory"]))
+    first = epoch_batches(pair_sizes(split), 16, None, shuffle=True, seed=conf["seed"], epoch=0)[:8]
+    assert sum(r["src_tokens"] for r in rows if "loss" in r) == sum(len(split.src[i]) + 1 for b in first for i in b)
     # MFU: the model FLOP/s of both ranks against the peak of two devices
     assert all(r["mfu"] == pytest.approx(r["model_tflops"] / (0.5 * 2)) for r in rows if "loss" in r)
     assert summary["mfu"] == pytest.approx(summary["model_tflops"] / (0.5 * 2), rel=1e-3)
