@@ -273,19 +273,12 @@ class Trainer:
                 raise torch.OutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
             with region("gradients"):  # its flattened buckets: one of the six categories (src/memory.py)
                 average_gradients(model.parameters(), self.world)
-        with region("optimizer"):
-            scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
-            if self.clip_grad_norm:
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-            else:
-                grad_norm = torch.linalg.vector_norm(
-                    torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-                )
-            nonfinite = self.check_finite and not self._finite(loss_total, grad_norm)
-            scale_before = scaler.get_scale() if scaler.is_enabled() else None
-            if not nonfinite:
-                scaler.step(opt)
-            scaler.update()
+        scale_before = scaler.get_scale() if scaler.is_enabled() else None
+        try:
+            nonfinite, grad_norm = self._update(loss_total)
+        except torch.OutOfMemoryError:  # clipping, or Adam's first step making its state
+            self._forget_unscaling()
+            raise
         skipped = scaler.is_enabled() and scaler.get_scale() < scale_before and not nonfinite
         opt.zero_grad(set_to_none=True)
         lr = self.lr
@@ -296,6 +289,32 @@ class Trainer:
         flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in micro_batches) * real
         return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
                          nonfinite, flops, lr)
+
+    def _update(self, loss_total: Tensor) -> tuple[bool, Tensor]:
+        """Unscale (fp16), clip, check and take the optimizer step: (whether it was non-finite, the gradient norm)."""
+        model, opt, scaler = self.model, self.optimizer, self.scaler
+        with region("optimizer"):
+            scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
+            if self.clip_grad_norm:
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+            else:
+                grad_norm = torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+                )
+            nonfinite = self.check_finite and not self._finite(loss_total, grad_norm)
+            if not nonfinite:
+                scaler.step(opt)
+            scaler.update()
+        return nonfinite, grad_norm
+
+    def _forget_unscaling(self) -> None:
+        """After an out-of-memory error between ``unscale_`` and ``update``, the GradScaler takes the optimizer for
+        unscaled until its next update, so the redone step's ``unscale_`` would raise a RuntimeError instead of
+        backing off: the scaler is made again with the same scale and counters and no step in progress."""
+        if self.scaler.is_enabled():
+            state = self.scaler.state_dict()
+            self.scaler = torch.amp.GradScaler(self.device.type)
+            self.scaler.load_state_dict(state)
 
     def _finite(self, loss_total: Tensor, grad_norm: Tensor) -> bool:
         """Whether the step's loss and gradients allow its update (``trainer.on_nonfinite``), decided alike on

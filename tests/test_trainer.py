@@ -143,6 +143,31 @@ def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps(world):
     assert trainer.scheduler.last_epoch == 0  # the schedule counts the updates taken
 
 
+def test_fp16_out_of_memory_in_the_optimizer_step_can_be_redone():
+    """Out of memory after the GradScaler unscaled the gradients (clipping, Adam's first step making its state):
+    the redone step takes the update a step without the error takes. It raised the scaler's RuntimeError
+    "unscale_() has already been called", so the run failed instead of backing off."""
+    split = make_split()
+    reference, plain = model_and_trainer(MemoryStrategy(amp="fp16"), adam=True, lr=1e-3)
+    plain.step(micro_batches(split, 1))
+    model, trainer = model_and_trainer(MemoryStrategy(amp="fp16"), adam=True, lr=1e-3)
+    step, calls = trainer.optimizer.step, []
+
+    def out_of_memory_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("out of memory (Adam's state)")
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = out_of_memory_once
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.step(micro_batches(split, 1))
+    trainer.optimizer.zero_grad(set_to_none=True)  # as the run's back-off does
+    stats = trainer.step(micro_batches(split, 1))
+    assert not stats.skipped and trainer.scaler.get_scale() == plain.scaler.get_scale()
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters(), strict=True))
+
+
 def test_fp16_data_parallel_ranks_agree_on_a_nan_loss_on_one_of_them():
     """Another rank's NaN loss makes this rank's step non-finite too: every rank skips it, or stops, alike."""
     split = make_split()
