@@ -67,8 +67,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate(_as_tuples(state["python"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available():  # a machine with fewer GPUs: theirs (one per visible device)
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
 
 
 def _as_tuples(x):

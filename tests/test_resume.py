@@ -351,3 +351,18 @@ def test_step_checkpoints_written_after_the_resumed_one_are_removed(fast_cfg):
     assert summary["test_checkpoints"] == ["step_00000002.pt", "step_00000004.pt"]
     assert sorted(p.name for p in ckpts.glob("*.pt")) == ["best.pt", "step_00000002.pt", "step_00000004.pt"]
     assert load_checkpoint(ckpts / "step_00000004.pt")["config"]["optim"]["lr"] == 1e-2  # this run's own
+
+
+def test_random_states_of_more_gpus_than_are_visible_are_restored_for_those_visible(monkeypatch):
+    """A checkpoint of an 8-GPU node resumed on 2 GPUs: their two CUDA generators are restored (restoring all 8
+    indexed generators that do not exist)."""
+    from src.state import rng_state, set_rng_state
+
+    state = {**rng_state(), "cuda": [torch.tensor([i]) for i in range(8)]}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    set_rng_state(state)
+    assert restored == state["cuda"][:2]
+
