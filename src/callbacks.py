@@ -39,7 +39,6 @@ class SweepStatus(Callback):
         try:
             jobs = load_sweep(config.hydra.sweep.dir)
         except DataError:  # no job wrote anything: every one of them failed to start
-            jobs = []
             outcome.failed = [f"{config.hydra.sweep.dir}: no job directories"]
         else:
             outcome.failed = [f"job {job.name} ({job.path}): {job.status or 'no summary.json'}"
