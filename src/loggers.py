@@ -149,6 +149,9 @@ class RunLogger:
     def finish(self, summary: dict) -> None:
         self._file.close()
         if self.wandb is not None:
+            # the last row logged first: W&B commits a step's row when the next one begins, or here, and a row
+            # committed after the summary would overwrite its totals (src_tokens, model_tflops, ...) with its own
+            self.wandb.log({}, commit=True)
             final = {k: v for k, v in summary.items() if k not in METRIC_SUMMARIES and _jsonable(v)}
             self.wandb.summary.update(final)
             self.wandb.finish(exit_code=0 if summary.get("status") == "completed" else 1)

@@ -704,7 +704,6 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     def log_window() -> None:
         metrics = window.flush()
         if metrics:
-            metrics["epoch"] = window.epoch
             if peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
                 metrics["mfu"] = metrics["model_tflops"] / (peak_tflops * world.size)
             metrics.update(peak.window_metrics())
@@ -1113,6 +1112,7 @@ class _Window:
             "tgt_tokens": self.tgt_tokens,
             "padding_ratio": self.padding_ratio(),
             "model_tflops": self.flops / max(self.seconds, 1e-9) / 1e12,  # model FLOP/s (ModelArgs.training_flops)
+            "epoch": self.epoch,
         }
         if self.steps > self.skipped:  # the norm of the updates taken (an fp16 step the scaler skipped has none)
             metrics["grad_norm"] = gn / (self.steps - self.skipped)

@@ -289,6 +289,15 @@ def test_jobs_that_differ_in_a_memory_value_have_different_names(tmp_path):
     assert [j.label for j in load_sweep(sweep)] == ["amp memory.amp=bf16", "amp memory.amp=fp16"]
 
 
+def test_the_wandb_summary_holds_the_runs_totals(fast_cfg, tmp_path):
+    """The W&B run's summary is summary.json's: the last logged row, committed when the run finished, used to
+    overwrite its totals (src_tokens, padding_ratio, model_tflops, ...) with the last window's."""
+    summary = train(fast_cfg("logger=wandb", "trainer.max_steps=5", "trainer.eval_every=5"))
+    w = read_wandb_run(wandb_file(tmp_path / "run"))["summary"]
+    for key in ("src_tokens", "tgt_tokens", "padding_ratio", "model_tflops", "steps", "epochs", "test_bleu"):
+        assert w[key] == pytest.approx(summary[key]), key
+
+
 def test_a_job_stopped_by_a_setting_before_its_run_began_is_a_failed_wandb_run(fast_cfg, tmp_path):
     """A sweep's job with a bad setting found before the run begins (model.n_heads=3, before any data is read)
     shows on the dashboard as failed with its reason, as a job failing later does: it had a summary.json only."""

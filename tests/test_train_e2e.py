@@ -468,9 +468,11 @@ def test_a_windows_grad_norm_leaves_out_fp16_skipped_steps():
     assert "grad_norm" not in window.flush()
 
 
-def test_an_epochs_last_window_is_logged_with_its_epoch(fast_cfg):
-    """The window that ends an epoch's last step is logged with that epoch, not the next one the loop moved to."""
-    cfg = fast_cfg("trainer.max_steps=null", "trainer.max_epochs=1", "trainer.log_every=5", "trainer.eval_every=null")
+def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
+    """19 batches an epoch: steps 1-19 are epoch 0, 20-38 epoch 1. The window that ends the run is logged with
+    its own epoch, not the next one the loop moved to."""
+    cfg = fast_cfg("trainer.max_steps=null", "trainer.max_epochs=2", "trainer.log_every=5", "trainer.eval_every=null")
     train(cfg)
     rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
-    assert [(r["step"], r["epoch"]) for r in rows] == [(5, 0), (10, 0), (15, 0), (19, 0)]
+    assert [(r["step"], r["epoch"]) for r in rows] == [(5, 0), (10, 0), (15, 0), (20, 1), (25, 1), (30, 1), (35, 1),
+                                                       (38, 1)]
