@@ -14,6 +14,7 @@ import signal
 import sys
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -41,18 +42,20 @@ def main(cfg: DictConfig) -> float:
     except Exception as e:  # summary.json and the W&B run already record it
         if isinstance(e, UserError):
             log.error("error: %s", e)  # one line naming the key, file or line
+        # out of memory after the back-offs: src/run.py logged its one line (the sizes tried, the memory snapshot)
+        told = isinstance(e, (UserError, torch.OutOfMemoryError))
         if not multirun:
-            if isinstance(e, UserError):
+            if told:
                 sys.exit(1)
             raise
-        if not isinstance(e, UserError):
+        if not told:
             log.error("job failed", exc_info=e)
         return math.nan  # a failed trial, to a sweeper that optimizes the returned value (and the next job starts)
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
     peak = summary["peak_memory_mb"]
     print(f"[{summary['strategy']}] {scores(summary)}, {summary['tokens_per_s']:.0f} tokens/s, "
-          f"peak memory {'not tracked' if peak is None else f'{peak} MB'} -> {cfg.paths.output_dir}")
+          f"peak memory {'not tracked' if peak is None else f'{peak} MiB'} -> {cfg.paths.output_dir}")
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
 
 

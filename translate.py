@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         model, src_codec, tgt_codec, ckpt = load_translator(args.checkpoint, device, args.tokenizer)
         decoding = run_decoding(ckpt, args)
-        print("decoding: " + ", ".join(f"{k} {v}" for k, v in decoding.items()), file=sys.stderr)
+        print("decoding: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in decoding.items()), file=sys.stderr)
         if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
             print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
         sources = read_lines(args.input)

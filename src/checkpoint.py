@@ -3,6 +3,7 @@ checkpoint can never run code when it is loaded."""
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -68,7 +69,15 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     try:
         return load_checkpoint(path, device)
     except Exception as e:
-        raise UserError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise UserError(f"{path}: not a readable checkpoint ({unreadable_because(e)})") from None
+
+
+def unreadable_because(e: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` could not read a file, in one line. Not PyTorch's words for a file that
+    holds more than tensors and plain values: they advise loading it with weights_only=False, which runs its code."""
+    if isinstance(e, pickle.UnpicklingError):
+        return "not a checkpoint written by train.py: it holds other data than tensors and plain values, or none"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:

@@ -815,7 +815,8 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     def figures() -> dict:
         """The training figures so far: steps, throughput (up to the last log line), memory, best validation."""
         train_s = max(window.total_seconds, 1e-9)
-        tflops = window.total_flops / train_s / 1e12
+        timed = window.total_seconds > 0  # a run stopped before its first log line timed no step: no throughput
+        tflops = window.total_flops / train_s / 1e12 if timed else None
         return {
             "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
             "steps": p.step,
@@ -823,10 +824,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             "src_tokens": window.total_src_tokens,
             "tgt_tokens": window.total_tgt_tokens,
             "train_s": round(window.total_seconds, 2),
-            "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1),
+            "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1) if timed else None,
             "padding_ratio": round(window.padding_ratio(total=True), 4),
-            "model_tflops": float(f"{tflops:.4g}"),  # model FLOP/s, ModelArgs.training_flops
-            "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops else None,
+            "model_tflops": float(f"{tflops:.4g}") if timed else None,  # model FLOP/s, ModelArgs.training_flops
+            "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops and timed else None,
             "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
             "final_accum_steps": p.accum_steps,
             "final_eval_batch_size": evaluator.batch_size,

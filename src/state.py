@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import checkpoint_step, load_checkpoint
+from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
         try:
             return path, load_checkpoint(path)
         except Exception as e:
-            raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({_reason(e)})") from None
+            raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({unreadable_because(e)})") from None
     if resume not in (None, "never", "auto"):
         raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
     return None
@@ -129,7 +129,7 @@ def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
         try:
             state = load_checkpoint(path)
         except Exception as e:
-            log.warning("%s is unreadable (%s); trying the previous checkpoint", path, _reason(e))
+            log.warning("%s is unreadable (%s); trying the previous checkpoint", path, unreadable_because(e))
             continue
         if "progress" not in state:
             log.warning("%s is not a training checkpoint; trying the previous one", path)
@@ -186,7 +186,3 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> Non
         log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s and the earlier run's best.pt and summary; "
                     "training starts from step 0", resume, len(stale), "unreadable " if resume == "auto" else "",
                     ckpt_dir)
-
-
-def _reason(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

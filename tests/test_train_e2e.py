@@ -117,7 +117,7 @@ def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp
     assert translate_test_set(cfg, tmp_path) == hyps
     assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, amp bf16\n" in capsys.readouterr().err
     assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none") != hyps
-    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, amp None\n" in capsys.readouterr().err
+    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, amp none\n" in capsys.readouterr().err
 
 
 def test_translate_py_decodes_with_the_precision_memory_auto_chose():
@@ -203,6 +203,27 @@ def test_out_of_memory_is_recorded_as_such(fast_cfg, monkeypatch):
         train(cfg)
     summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
     assert summary["status"] == "oom" and "1.91 GiB" in summary["error"] and summary["strategy"] == "none"
+    # no step was timed (the first log line would have ended one): no throughput, rather than 0 tokens/s
+    assert summary["tokens_per_s"] is None and summary["model_tflops"] is None
+
+
+def test_train_py_gives_up_on_out_of_memory_in_one_message(tmp_path, shared_cache):
+    """After its back-offs a run fails with one message (the sizes tried, its memory snapshot), no traceback."""
+    proc = run_cli("train.py", *FAST, "fault.kind=oom", "fault.at_step=3", "fault.times=10", f"hydra.run.dir={tmp_path}",
+                   f"paths.cache_dir={shared_cache}")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out and "HYDRA_FULL_ERROR" not in out, out[-2000:]
+    assert [line for line in out.splitlines() if "out of memory at step 3 with micro-batches" in line]
+
+
+def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
+    """One line, without PyTorch's advice to load the file with weights_only=False (which would run its code)."""
+    text = tmp_path / "test.de"
+    text.write_text("Ein Hund läuft.\n")
+    assert translate.main([str(text), "--input", str(text), "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {text}: not a readable checkpoint (not a checkpoint written by train.py: it holds other data than "
+        "tensors and plain values, or none)"]
 
 
 @pytest.mark.slow
