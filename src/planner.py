@@ -61,7 +61,8 @@ def worst_case_shapes(longest_src: int, longest_tgt: int, batch_size: int, max_t
     shorter side's positions fall with s, attention's squares grow), so the worst is at an end: s the longest
     size (the most positions per sentence), or s the shorter side's longest (that side's positions most: the
     logits', where it is the target). At each, ``max_tokens // s`` pairs, and one pair more at the size that
-    lets it fit, where the budget's rounding leaves more positions that way."""
+    lets it fit, where the budget's rounding leaves more positions that way; with accumulation also the pair count
+    whose largest micro-batch, rounded up, holds the most positions."""
     src_len, tgt_len = longest_src + 1, longest_tgt + 1
     if not max_tokens:
         batches = [(batch_size, src_len, tgt_len)]
@@ -73,6 +74,18 @@ def worst_case_shapes(longest_src: int, longest_tgt: int, batch_size: int, max_t
             smaller = max_tokens // (pairs + 1)  # the largest size at which one pair more fits
             if (pairs + 1) * smaller > pairs * size:
                 batches.append((pairs + 1, min(smaller, src_len), min(smaller, tgt_len)))
+        if accum_steps > 1:
+            # accumulation rounds the pairs of a micro-batch up: 3 pairs of 333 in 1,000 tokens make a micro-batch of
+            # 2 (666 positions) where the ends make one of 500. The pair count whose largest micro-batch holds the
+            # most positions, between the ends (and a little beyond, where rounding can still win)
+            def positions(n: int) -> int:
+                size = max_tokens // n
+                return -(-n // accum_steps) * (min(size, src_len) + min(size, tgt_len))
+
+            ends = [max(1, max_tokens // size) for size in (max(src_len, tgt_len), min(src_len, tgt_len))]
+            pairs = max(range(ends[0], ends[1] + accum_steps + 1), key=positions)
+            size = max_tokens // pairs
+            batches.append((pairs, min(size, src_len), min(size, tgt_len)))
     shapes = []
     for pairs, src, tgt in batches:
         accum = min(accum_steps, pairs)

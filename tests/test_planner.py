@@ -84,12 +84,14 @@ def test_worst_case_shapes_follow_the_batching_rules():
 
 
 @pytest.mark.parametrize("src_lens,tgt_lens", [([500] + [499] * 10, [500] + [499] * 10),  # the budget's rounding
-                                               ([100] + [19] * 200, [20] + [19] * 200)],  # one long source
-                         ids=["rounding", "uneven-sides"])
+                                               ([100] + [19] * 200, [20] + [19] * 200),  # one long source
+                                               ([500] + [332] * 3, [500] + [332] * 3)],  # 3 pairs: 2 + 1
+                         ids=["rounding", "uneven-sides", "accumulation-rounding"])
 def test_a_token_budgets_plan_covers_every_batch_it_makes(src_lens, tgt_lens):
     """Every micro-batch token batching makes of these pairs needs at most what the plan estimates: planned at the
     longest size alone, the first missed two pairs of 500 (one of 501 was planned) and the second a batch of 50
-    pairs of 20 (9 of 101 sources and 21 targets, a fifth of the logits)."""
+    pairs of 20 (9 of 101 sources and 21 targets, a fifth of the logits); planned at the two ends, the third
+    missed 3 pairs of 333 in two micro-batches, one of 2 pairs (666 positions, where the ends give 500)."""
     from src.data.batching import micro_batches, token_batch_indices
     from src.data.encode import EncodedSplit
     from src.planner import estimate_worst
