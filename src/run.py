@@ -520,18 +520,6 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
-    if strategy.trim_vocab:
-        full = encoded
-        encoded = trim_vocabulary(encoded)
-        info["trim_vocab"] = {
-            "vocab_before": {"src": len(full.src_codec), "tgt": len(full.tgt_codec)},
-            "vocab_after": {"src": len(encoded.src_codec), "tgt": len(encoded.tgt_codec)},
-            "parameters_before": count_parameters(conf["model"], full),
-            "parameters_after": count_parameters(conf["model"], encoded),
-        }
-        log.info("trim_vocab: %s", info["trim_vocab"])
-    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    info["vocab"] = {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec}
     train_split = encoded.splits["train"]
     if strategy.truncates:
         train_split, limited = limit_lengths(train_split, strategy.max_src_len, strategy.max_tgt_len, strategy.overlong)
@@ -542,6 +530,19 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         )
         if not len(train_split):
             raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
+    if strategy.trim_vocab:  # after truncation: the pieces of the pairs trained on, as they are trained on
+        full = encoded
+        encoded = trim_vocabulary(encoded, train_split)
+        train_split = encoded.splits["train"]
+        info["trim_vocab"] = {
+            "vocab_before": {"src": len(full.src_codec), "tgt": len(full.tgt_codec)},
+            "vocab_after": {"src": len(encoded.src_codec), "tgt": len(encoded.tgt_codec)},
+            "parameters_before": count_parameters(conf["model"], full),
+            "parameters_after": count_parameters(conf["model"], encoded),
+        }
+        log.info("trim_vocab: %s", info["trim_vocab"])
+    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
+    info["vocab"] = {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec}
     return corpus, encoded, train_split, info
 
 

@@ -4,17 +4,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from src.data.batching import Batch
 from src.data.corpus import load_synthetic
 from src.data.encode import encode_corpus, trim_vocabulary
 from src.data.synthetic import LengthDistribution
-from src.memory import MemoryStrategy, TensorMemoryTracker
+from src.memory import MemoryStrategy, TensorMemoryTracker, memory_strategy
 from src.model import ModelArgs, Transformer
 from src.run import train
 from src.tokenizers import TrimmedCodec
 from src.trainer import batch_loss
 
+from .conftest import FAST, compose_config
 from .helpers import PAD, make_split, micro_batches, model_and_trainer
 
 
@@ -116,6 +118,24 @@ def test_trimmed_vocabulary_round_trips_training_sentences(xlmr_dir, tmp_path):
             assert codec.decode(after.tolist()) == full.src_codec.decode(before.tolist())
             assert codec.encode([text])[0] == after.tolist()
     assert codec.unk_id not in torch.cat(list(trimmed.splits["train"].src)).tolist()
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_a_vocabulary_trimmed_after_truncation_holds_the_pieces_trained_on(xlmr_dir, tmp_path, overlong):
+    """memory=[truncate,trim_vocab]: the vocabulary keeps the pieces of the pairs as they are trained on, not those
+    only cut tails or dropped pairs held (they were kept: embedding, output and Adam rows never trained)."""
+    from src.run import prepare_data
+
+    cfg = compose_config(*FAST, "tokenizer=xlmr", f"tokenizer.name_or_path={xlmr_dir}", "memory=[truncate,trim_vocab]",
+                         "memory.max_src_len=6", "memory.max_tgt_len=6", f"memory.overlong={overlong}",
+                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    _, encoded, train, info = prepare_data(conf, memory_strategy(conf["memory"]))
+    used = torch.cat([*train.src, *train.tgt]).unique().tolist()
+    specials = {encoded.src_codec.bos_id, encoded.src_codec.pad_id, encoded.src_codec.eos_id, encoded.src_codec.unk_id}
+    assert len(encoded.src_codec) == len(set(used) | specials) == info["trim_vocab"]["vocab_after"]["src"]
+    dropped = info["length_limit"]["pairs_affected"] if overlong == "drop" else 0
+    assert max(len(s) for s in train.src) <= 6 and len(train) == info["sentences"]["train"] - dropped
 
 
 def test_a_trimmed_xlmr_run_translates_again_from_its_directory(fast_cfg, xlmr_dir, tmp_path):

@@ -256,10 +256,12 @@ def _mapped(seqs: Sequence[Tensor], table: Tensor) -> Sequence[Tensor]:
     return [table[s] for s in seqs]
 
 
-def trim_vocabulary(encoded: EncodedCorpus) -> EncodedCorpus:
+def trim_vocabulary(encoded: EncodedCorpus, train: EncodedSplit | None = None) -> EncodedCorpus:
     """memory=trim_vocab: keep only the ids the training split uses (and the special tokens), renumbered, so the
     embeddings and the output layer shrink; ids of held-out text outside them become ``<unk>``. A shared
-    vocabulary stays shared (one set of ids from both sides)."""
+    vocabulary stays shared (one set of ids from both sides). ``train``: the pairs the run trains on, if not the
+    corpus's whole training split (memory=truncate's: the pieces only its cut tails or dropped pairs held are
+    never trained); it is the returned corpus's training split."""
 
     def all_ids(seqs: Sequence[Tensor]) -> Tensor:
         return seqs.ids if isinstance(seqs, PackedSequences) else torch.cat(list(seqs))
@@ -268,12 +270,12 @@ def trim_vocabulary(encoded: EncodedCorpus) -> EncodedCorpus:
         used = torch.cat([all_ids(seqs) for seqs in sides if len(seqs)]).unique().tolist()
         return TrimmedCodec(codec, [*used, codec.bos_id, codec.pad_id, codec.eos_id, codec.unk_id])
 
-    train = encoded.splits["train"]
+    train = encoded.splits["train"] if train is None else train
     if encoded.src_codec is encoded.tgt_codec:
         src = tgt = trimmed(encoded.src_codec, [train.src, train.tgt])
     else:
         src, tgt = trimmed(encoded.src_codec, [train.src]), trimmed(encoded.tgt_codec, [train.tgt])
     src_table, tgt_table = torch.tensor(src.lookup_table()), torch.tensor(tgt.lookup_table())
     splits = {name: EncodedSplit(_mapped(split.src, src_table), _mapped(split.tgt, tgt_table))
-              for name, split in encoded.splits.items()}
+              for name, split in {**encoded.splits, "train": train}.items()}
     return EncodedCorpus(src, tgt, splits, encoded.cache_file, encoded.from_cache)
