@@ -67,25 +67,28 @@ def worst_case_shapes(longest_src: int, longest_tgt: int, batch_size: int, max_t
     if not max_tokens:
         batches = [(batch_size, src_len, tgt_len)]
     else:
+        def batch(pairs: int, size: int) -> tuple[int, int, int]:
+            """``pairs`` pairs of ``size``: each side as long as the size or its longest sentence allows."""
+            return pairs, min(size, src_len), min(size, tgt_len)
+
+        ends = {size: max(1, max_tokens // size) for size in (max(src_len, tgt_len), min(src_len, tgt_len))}
         batches = []
-        for size in dict.fromkeys((max(src_len, tgt_len), min(src_len, tgt_len))):
-            pairs = max(1, max_tokens // size)
-            batches.append((pairs, min(size, src_len), min(size, tgt_len)))
+        for size, pairs in ends.items():
+            batches.append(batch(pairs, size))
             smaller = max_tokens // (pairs + 1)  # the largest size at which one pair more fits
             if (pairs + 1) * smaller > pairs * size:
-                batches.append((pairs + 1, min(smaller, src_len), min(smaller, tgt_len)))
+                batches.append(batch(pairs + 1, smaller))
         if accum_steps > 1:
             # accumulation rounds the pairs of a micro-batch up: 3 pairs of 333 in 1,000 tokens make a micro-batch of
             # 2 (666 positions) where the ends make one of 500. The pair count whose largest micro-batch holds the
             # most positions, between the ends (and a little beyond, where rounding can still win)
             def positions(n: int) -> int:
-                size = max_tokens // n
-                return -(-n // accum_steps) * (min(size, src_len) + min(size, tgt_len))
+                _, src, tgt = batch(n, max_tokens // n)
+                return -(-n // accum_steps) * (src + tgt)
 
-            ends = [max(1, max_tokens // size) for size in (max(src_len, tgt_len), min(src_len, tgt_len))]
-            pairs = max(range(ends[0], ends[1] + accum_steps + 1), key=positions)
-            size = max_tokens // pairs
-            batches.append((pairs, min(size, src_len), min(size, tgt_len)))
+            fewest, most = min(ends.values()), max(ends.values())
+            pairs = max(range(fewest, most + accum_steps + 1), key=positions)
+            batches.append(batch(pairs, max_tokens // pairs))
     shapes = []
     for pairs, src, tgt in batches:
         accum = min(accum_steps, pairs)
