@@ -231,6 +231,7 @@ def test_paper_base_is_the_papers_recipe(tmp_path):
     cfg = compose_config("experiment=paper_base", run_dir=tmp_path)
     m, o = cfg.model, cfg.optim
     assert (m.encoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 512, 8, 2048, 0.1)
+    assert m.attention_dropout == m.activation_dropout == 0.0  # section 5.4: residual and embedding dropout only
     assert o.name == "noam" and o.warmup_steps == 4000 and o.label_smoothing == 0.1 and list(o.betas) == [0.9, 0.98]
     assert cfg.data.max_tokens == 25000 and cfg.trainer.max_steps == 100_000 and cfg.memory.trim_vocab
     t = cfg.trainer  # section 6.1: beam size 4, length penalty 0.6, at most input length + 50
