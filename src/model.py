@@ -204,7 +204,7 @@ def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
     div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     pe = torch.zeros(max_len, d_model)
     pe[:, 0::2] = torch.sin(position * div)
-    pe[:, 1::2] = torch.cos(position * div)
+    pe[:, 1::2] = torch.cos(position * div[: d_model // 2])  # an odd d_model has one cosine fewer
     return pe
 
 
@@ -302,12 +302,20 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Logits for the next position given the newest tokens (B * beams, 1) and the per-layer caches. With
         ``beams`` > 1, each sentence of ``memory`` (B, S, D) has that many consecutive rows of hypotheses, which
-        attend to its encoder keys and values together: these are computed and cached once per sentence."""
+        attend to its encoder keys and values together: these are computed and cached once per sentence.
+
+        Under autocast the logits are computed in fp32 (one position per hypothesis: little work). In bf16, whose 8
+        bits of mantissa tie the two best logits every few hundred tokens, greedy decoding (argmax: the lowest id)
+        and one beam (topk) broke such ties differently, and one beam was not greedy decoding."""
         position = caches[0]["k"].size(2) if caches and "k" in caches[0] else 0
         y = self.tgt_embed(tokens, offset=position)
         for layer, cache in zip(self.decoder, caches):
             y = layer.step(y, memory, src_mask, cache, beams)
-        return self.generator(self.dec_norm(y))[:, -1]
+        y = self.dec_norm(y)[:, -1]
+        if not torch.is_autocast_enabled(y.device.type):
+            return self.generator(y)
+        with torch.autocast(y.device.type, enabled=False):
+            return F.linear(y.float(), self.generator.weight.float())
 
     @staticmethod
     def reorder_cache(caches: list[dict], rows: Tensor, sentences: Tensor | None = None) -> None:
