@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", help="where to write the translations (default: stdout)")
     p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, help="sentences decoded together (default: the run's "
+                   "trainer.eval_batch_size; under autocast another batch rounds otherwise)")
     p.add_argument("--beam-size", type=int, help="1: greedy decoding (default: the run's trainer.beam_size)")
     p.add_argument("--length-penalty", type=float, help="with beams: GNMT's alpha, 0: none (default: the run's)")
     p.add_argument("--max-len-a", type=float, help="a translation stops at max_len_a x its source's length + "
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if references is not None and len(references) != len(sources):
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
         with torch.inference_mode():
-            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=args.batch_size,
+            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=decoding["batch_size"],
                              beam_size=decoding["beam_size"], alpha=decoding["length_penalty"],
                              max_len_a=decoding["max_len_a"], max_len_b=decoding["max_len_b"],
                              autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
@@ -87,8 +88,9 @@ def run_decoding(ckpt: dict, args: argparse.Namespace) -> dict:
     checkpoint), else the config's defaults."""
     config = ckpt.get("config") or {}
     run = config.get("trainer") or {}
-    defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10}
-    decoding = {key: next(v for v in (getattr(args, key), run.get(key), default) if v is not None)
+    defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
+    decoding = {key: next(v for v in (getattr(args, key), run.get("eval_" + key if key == "batch_size" else key),
+                                      default) if v is not None)
                 for key, default in defaults.items()}
     # the strategy the run trained and evaluated with: memory=auto's choice (amp, say) is not in its config
     strategy = ckpt.get("strategy") or {"amp": (config.get("memory") or {}).get("amp")}

@@ -107,17 +107,19 @@ def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, 
 
 def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp_path, capsys):
     """A run that decodes with beams, its own length caps and bf16 autocast: translate.py given only its checkpoint
-    writes the run's test translations; flags override each setting."""
+    writes the run's test translations, in batches of the run's size (under autocast another batch rounds
+    otherwise); flags override each setting."""
     cfg = fast_cfg("trainer.beam_size=3", "trainer.length_penalty=1.0", "trainer.max_len_a=0.5",
-                   "trainer.max_len_b=3", "memory=amp")
+                   "trainer.max_len_b=3", "memory=amp", "trainer.eval_batch_size=7")
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["beam_size"] == 3
     hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
     capsys.readouterr()
     assert translate_test_set(cfg, tmp_path) == hyps
-    assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, amp bf16\n" in capsys.readouterr().err
-    assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none") != hyps
-    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, amp none\n" in capsys.readouterr().err
+    assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, batch_size 7, amp bf16\n" in capsys.readouterr().err
+    assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none",
+                             "--batch-size", "20") != hyps
+    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, batch_size 20, amp none\n" in capsys.readouterr().err
 
 
 def test_translate_py_decodes_with_the_precision_memory_auto_chose():
@@ -132,7 +134,7 @@ def test_translate_py_decodes_with_the_precision_memory_auto_chose():
 
 
 def translate_args(**flags) -> argparse.Namespace:
-    unset = dict.fromkeys(("beam_size", "length_penalty", "max_len_a", "max_len_b", "amp"))
+    unset = dict.fromkeys(("beam_size", "length_penalty", "max_len_a", "max_len_b", "batch_size", "amp"))
     return argparse.Namespace(**{**unset, **flags})
 
 
