@@ -86,6 +86,11 @@ def check_overrides(overrides: list[str]) -> None:
             continue
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
+        group, _, leaf = key.partition(".")
+        if leaf == "name" and (CONF / group).is_dir() and _get(given, key) != default:
+            # the loader follows data.name, but the keys are the chosen option's: data.name=multi30k alone read
+            # Multi30k without data.root, which the synthetic option does not have
+            raise ConfigError(f"{override}: {key} names the option chosen; choose it with {group}={_get(given, key)}")
         _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
 
 
@@ -99,14 +104,21 @@ def _group_choice(override: str) -> bool:
 
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
+    """The message for a key the config does not have, with the closest key beside it. The keys beside it are
+    those of the options chosen (``data=multi30k``): the other overrides may hold more unknown keys."""
+    from hydra.errors import HydraException
+
     parent, _, leaf = key.rpartition(".")
-    node = _get(OmegaConf.to_container(_compose([o for o in overrides if not o.startswith(key + "=")]),
-                                       resolve=False), parent) if parent else None
+    try:
+        tree = OmegaConf.to_container(_compose([o for o in overrides if _group_choice(o)]), resolve=False)
+    except HydraException:  # an option that does not exist: reported once this key is fixed
+        tree = {}
+    node = _get(tree, parent) if parent else {k: v for k, v in tree.items() if k != "hydra"}
     siblings = list(node) if isinstance(node, dict) else []
     close = difflib.get_close_matches(leaf, siblings, n=1)
-    hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
-        f"{parent} has {', '.join(siblings)}" if siblings else "no such key")
-    return f"{key}: no such key; {hint} (a new key is added with +{key}=...)"
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
+        f"; {parent} has {', '.join(siblings)}" if siblings and parent else "")
+    return f"{key}: no such key{hint} (a new key is added with +{key}=...)"
 
 
 _MISSING = object()

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 from .fileio import atomic_dir, write_json
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
@@ -67,8 +67,11 @@ def spacy_tokenizer(lang: str, model: str | None = None):
             ) from None
     try:
         return spacy.blank(lang).tokenizer
-    except ImportError:
-        raise ConfigError(f"spaCy has no language '{lang}'; check data.src_lang / data.tgt_lang") from None
+    except ImportError as e:
+        if "[E048]" in str(e):  # Can't import language ... from spacy.lang
+            raise ConfigError(f"spaCy has no language '{lang}'; check data.src_lang / data.tgt_lang") from None
+        # a language whose tokenizer needs another package (th: PyThaiNLP, ja: SudachiPy, ...)
+        raise ConfigError(f"spaCy's '{lang}' tokenizer: {str(e).strip().splitlines()[0]}") from None
 
 
 def _mostly(cases: Iterable[tuple[str, bool]]) -> set[str]:
@@ -330,6 +333,28 @@ class TrimmedCodec(Codec):
 
 
 # ------------------------------------------------------------------------------------------------ building
+
+
+def check_tokenizer(spec: dict) -> None:
+    """The tokenizer group's settings, before the data is read (spaCy tokenizes in a child process, whose
+    errors would come back as its traceback)."""
+    name = spec.get("name")
+    if name == "spacy":
+        check_int("tokenizer.min_freq", spec.get("min_freq"), 1)
+        check_int("tokenizer.max_vocab", spec.get("max_vocab"), 5, nullable=True)  # 4 specials and a word
+        if not isinstance(spec.get("lowercase"), bool):
+            raise ConfigError(f"tokenizer.lowercase={spec.get('lowercase')}: expected true or false")
+        models = spec.get("models")
+        if models is not None and (not isinstance(models, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in models.items())):
+            raise ConfigError(f"tokenizer.models={models}: expected a pipeline name per language, e.g. "
+                              "+tokenizer.models.de=de_core_news_sm")
+    elif name == "xlmr":
+        if not isinstance(spec.get("name_or_path"), str) or not spec["name_or_path"]:
+            raise ConfigError(f"tokenizer.name_or_path={spec.get('name_or_path')}: expected a hub name or a "
+                              "directory written by save_pretrained")
+    else:
+        raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
 
 
 def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):

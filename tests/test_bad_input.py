@@ -17,6 +17,8 @@ from .helpers import run_cli
 
 DOC = ROOT / "docs" / "bad_input.md"
 
+DIRECTORY = object()  # in FILES: a folder in the file's place
+
 # (what was tried, the overrides, the message's start); {data} is a folder of small parallel files
 COMMAND_LINE = [
     ("mistyped key", ["model.dmodel=5"], "model.dmodel: no such key; did you mean model.d_model?"),
@@ -26,6 +28,11 @@ COMMAND_LINE = [
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
+    ("two mistyped keys", ["model.dmodel=5", "model.nhead=2"],
+     "model.dmodel: no such key; did you mean model.d_model?"),
+    ("a key under a key that has none", ["trainer.foo.bar=1"], "trainer.foo: no such key; trainer has device, "),
+    ("a group's name set instead of its option", ["data.name=multi30k"],
+     "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
 ]
 RUN = [
     ("unknown memory setting added with +", ["+memory.acum_steps=2"],
@@ -81,7 +88,12 @@ FILES = [
     ("parallel files of different lengths", {"train.de": "a\nb\nc\n"}, "{data}/train.de has 3 lines but"),
     ("text that is not UTF-8", {"train.de": b"gut\n\xff\xfeschlecht\n"}, "{data}/train.de:2: invalid UTF-8 (byte 0xff)"),
     ("every line pair with an empty side", {"train.de": "eins\n\n", "train.en": "\ntwo\n"},
-     "{data}/train.de: every line pair has an empty side"),
+     "{data}/train.de, {data}/train.en: every line pair has an empty side"),
+    ("old Mac line ends (a carriage return alone)", {"train.de": "ein Satz\rzwei Sätze\r"},
+     "{data}/train.de:1: a carriage return inside the line (old Mac line endings?); convert the file to \\n line "
+     "endings"),
+    ("a folder where a corpus file should be", {"train.de": DIRECTORY},
+     "{data}/train.de: is a directory; give the path prefix of text files"),
 ]
 
 
@@ -93,7 +105,9 @@ def data_dir(tmp_path: Path, files: dict) -> Path:
         (data / f"{split}.en").write_text("a sentence\ntwo sentences\n")
     for name, content in files.items():
         (data / name).unlink()
-        if isinstance(content, bytes):
+        if content is DIRECTORY:
+            (data / name).mkdir()
+        elif isinstance(content, bytes):
             (data / name).write_bytes(content)
         elif content is not None:
             (data / name).write_text(content)

@@ -3,6 +3,7 @@
 import gzip
 import hashlib
 import http.server
+import importlib.util
 import os
 import re
 import sys
@@ -233,15 +234,20 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
     served = tmp_path / "served"
     served.mkdir()
     (served / "train.de.gz").write_bytes(b"payload")
-    failures = {"left": 2, "cut": False}
+    failures = {"left": 2, "cut": None}
 
     class Flaky(http.server.SimpleHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self):
-            if failures["left"] and failures["cut"]:  # a chunk announced, a part of it sent, the connection dropped
+            if failures["left"] and failures["cut"] == "chunked":  # a chunk announced, a part sent, the line cut
                 failures["left"] -= 1
                 self.wfile.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100\r\npay")
+                self.close_connection = True
+                return
+            if failures["left"] and failures["cut"] == "length":  # 7 bytes announced, 3 sent, the line cut
+                failures["left"] -= 1
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\npay")
                 self.close_connection = True
                 return
             if failures["left"]:
@@ -268,8 +274,15 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
         assert corpus_mod.multi30k_file("train.de.gz", None, tmp_path / "cache", url) == cached
         assert cached.read_bytes() == b"payload"
         # a body cut short by a dropped connection (chunked transfer: http.client's IncompleteRead) is retried
-        failures["left"], failures["cut"] = 1, True
+        failures["left"], failures["cut"] = 1, "chunked"
         assert download(f"{url}/train.de.gz", tmp_path / "dl" / "g.gz", good, backoff_s=0.01).read_bytes() == b"payload"
+        assert failures["left"] == 0
+        # ... and one of a known length too, said to be cut short, not to have another checksum
+        failures["left"], failures["cut"] = 1, "length"
+        with pytest.raises(DataError, match=r"\(transfer cut short: 3 of 7 bytes\)"):
+            download(f"{url}/train.de.gz", tmp_path / "dl" / "h.gz", good, attempts=1)
+        failures["left"] = 1
+        assert download(f"{url}/train.de.gz", tmp_path / "dl" / "h.gz", good, backoff_s=0.01).read_bytes() == b"payload"
         assert failures["left"] == 0
         started = time.perf_counter()
         with pytest.raises(DataError, match=r"missing.gz \(File not found\)"):
@@ -367,6 +380,40 @@ def test_spacy_tokenizes_in_a_child_process_and_gives_what_tokenizing_here_gives
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="spaCy tokenizes in a forked child on Linux only")
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_tokenizing_child_ends_with_a_run_killed_with_sigkill(tmp_path):
+    """kill -9 of the run: its forked child, tokenizing, is ended by the kernel, not left running on its own."""
+    import signal
+    import subprocess
+
+    script = ("import sys, time\nfrom pathlib import Path\nfrom src.data.encode import in_forked_child\n"
+              "def work(path):\n    Path(path).write_text(str(__import__('os').getpid()))\n    time.sleep(60)\n"
+              f"in_forked_child(work, {str(tmp_path / 'child.pid')!r})\n")
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    pid_file = tmp_path / "child.pid"
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and run.poll() is None
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        deadline = time.monotonic() + 5
+        while alive(child):
+            assert time.monotonic() < deadline, "the child runs on"
+            time.sleep(0.05)
+    finally:
+        run.kill()
+
+
 def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeypatch):
     """The user's error comes back as it was raised (one line); another with the child's traceback; a child that
     dies (the OOM killer) is named, and nothing is cached."""
@@ -464,3 +511,26 @@ def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_packag
     again = encode_corpus(corpus, spec, cache)
     assert not again.from_cache and again.cache_file == edited.cache_file
     assert encode_corpus(corpus, spec, cache).from_cache  # and cached for that version
+
+
+def test_pairs_with_an_empty_side_are_skipped_with_the_files_and_lines_named(tmp_path, caplog):
+    import logging
+
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_text("eins\nzwei\ndrei\nvier\n")
+    tgt.write_text("one\n\nthree\n \n")
+    with caplog.at_level(logging.WARNING):
+        text = corpus_mod.read_parallel(src, tgt)
+    assert (text.src, text.tgt) == (["eins", "drei"], ["one", "three"])
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipped 2 line pairs with an empty side: {tgt} has 2 empty, at lines 2, 4"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pythainlp") is not None, reason="PyThaiNLP is installed here")
+def test_a_spacy_language_that_needs_another_package_says_which():
+    from src.tokenizers import spacy_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^spaCy's 'th' tokenizer: The Thai tokenizer requires the PyThaiNLP"):
+        spacy_tokenizer("th")
+    with pytest.raises(ConfigError, match=r"^spaCy has no language 'zz'"):
+        spacy_tokenizer("zz")

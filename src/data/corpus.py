@@ -52,6 +52,37 @@ class Corpus:
         return self.splits["train"]
 
 
+def check_data(data: dict) -> None:
+    """The data group's settings, before anything is read or generated: sizes and lengths of the synthetic
+    corpus, and where Multi30k comes from (the files' own problems are found as they are read)."""
+    from ..errors import ConfigError, check_int, check_number
+
+    for key in ("src_lang", "tgt_lang"):
+        if not isinstance(data.get(key), str):
+            raise ConfigError(f"data.{key}={data.get(key)}: expected a language code, e.g. de")
+    name = data.get("name")
+    if name == "synthetic":
+        for split in SPLITS:
+            check_int(f"data.{split}_size", data.get(f"{split}_size"), 1)
+        check_int("data.seed", data.get("seed"), 0)
+        for key in ("max_clauses", "long_clauses"):
+            check_int(f"data.{key}", data.get(key), 1)
+        check_number("data.continue_prob", data.get("continue_prob"), 0, below=1)
+        check_number("data.long_fraction", data.get("long_fraction"), 0)  # at most 1: LengthDistribution says so
+    elif name == "multi30k":
+        url = data.get("url")
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://", "file://"))):
+            raise ConfigError(f"data.url={url}: expected an http://, https:// or file:// address; a folder of the "
+                              "raw files is data.root")
+    elif name == "files":
+        for split in SPLITS:
+            prefix = data.get(f"{split}_prefix")
+            if prefix is not None and not isinstance(prefix, str):
+                raise ConfigError(f"data.{split}_prefix={prefix}: expected a path prefix, e.g. /data/wmt/{split}")
+    else:
+        raise ConfigError(f"data.name={name!r}: expected synthetic, multi30k or files")
+
+
 def read_lines(path: str | Path) -> list[str]:
     """Lines of a UTF-8 text file, plain or gzip-compressed (``-``: standard input), without line endings (``\\n``
     or ``\\r\\n``) and without a byte-order mark."""
@@ -81,7 +112,11 @@ def read_lines(path: str | Path) -> list[str]:
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()
-    return [line.rstrip("\r") for line in lines]
+    lines = [line.removesuffix("\r") for line in lines]
+    if "\r" in text and (cr := next((i for i, line in enumerate(lines) if "\r" in line), None)) is not None:
+        raise DataError(f"{path}:{cr + 1}: a carriage return inside the line (old Mac line endings?); convert the "
+                        "file to \\n line endings")
+    return lines
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
@@ -93,9 +128,15 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
         )
     keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
     if not keep:
-        raise DataError(f"{src_path}: every line pair has an empty side")
+        raise DataError(f"{src_path}, {tgt_path}: every line pair has an empty side")
     if len(keep) < len(src):
-        log.warning("%s: skipped %d line pairs with an empty side", src_path, len(src) - len(keep))
+        where = []
+        for path, lines in ((src_path, src), (tgt_path, tgt)):
+            empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
+            if empty:
+                where.append(f"{path} has {len(empty)} empty, at line{'s' if len(empty) > 1 else ''} "
+                             + ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""))
+        log.warning("skipped %d line pairs with an empty side: %s", len(src) - len(keep), "; ".join(where))
         src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
     return ParallelText([s.strip() for s in src], [t.strip() for t in tgt])
 
@@ -106,6 +147,8 @@ def find_text_file(prefix: str | Path, lang: str) -> Path:
     for candidate in (plain, Path(f"{plain}.gz")):
         if candidate.is_file():
             return candidate
+    if plain.is_dir():
+        raise DataError(f"{plain}: is a directory; give the path prefix of text files, one sentence per line")
     raise DataError(f"{plain}: file not found (nor {plain.name}.gz)")
 
 
@@ -163,6 +206,9 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
                 with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
                     while chunk := response.read(1 << 20):
                         out.write(chunk)
+                    length = response.headers.get("Content-Length", "")  # a connection dropped mid-body
+                    if length.isdigit() and out.tell() != int(length):
+                        raise OSError(f"transfer cut short: {out.tell():,} of {int(length):,} bytes")
                 got = sha256(tmp)
                 if got != expected_sha256:
                     raise _Corrupt(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")

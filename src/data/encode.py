@@ -12,12 +12,15 @@ process, as decoding needs it there anyway."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib.metadata
 import json
 import logging
 import multiprocessing
+import os
 import pickle
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -195,6 +198,15 @@ def _from_blob(blob: dict, cache_file: Path | None, **kw) -> EncodedCorpus:
     return EncodedCorpus(src, tgt, splits, cache_file, **kw)
 
 
+def die_with(parent: int) -> None:
+    """Linux: the kernel ends this process when the one that forked it dies, a run killed with SIGKILL say, which
+    no exit handler of the parent's sees (``PR_SET_PDEATHSIG``). Elsewhere it runs on and its result is lost."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before that
+        os._exit(1)
+
+
 def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
     """``fn(*args)`` in a forked child process: (its result, the child's peak RSS in MB). The result comes back
     pickled; an exception raised there is raised here (one that is not the user's to fix with the child's
@@ -202,9 +214,11 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
     survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
     ctx = multiprocessing.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
+    parent = os.getpid()
 
     def child() -> None:
         try:
+            die_with(parent)
             torch.set_num_threads(1)
             if (hooks := sys.modules.get("wandb.sdk.lib.import_hooks")) is not None:
                 # A W&B run's import telemetry (importing spaCy is noted) would talk to W&B's service, which a
