@@ -552,135 +552,170 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     only after its checkpoint is accepted for a resumed one (a refused resume leaves the earlier run's files).
     A run that stops once training has begun (a signal, out of memory, an error) puts what it had reached into
     ``reached`` (the summary): its steps, throughput and memory peaks, its best validation."""
-    tr, data, optim = conf["trainer"], conf["data"], conf["optim"]
-    logger = begin() if resumed is None else None
-    strategy.check_device(device)
-    check_scoring(data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
-    if tr.get("threads"):
-        torch.set_num_threads(tr["threads"])
-    reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
-    if device.type == "cpu" and not reuse_host_memory and freed_host_memory_kept():
-        log.warning("trainer.reuse_host_memory=false, but an earlier run in this process (a sweep's job) made malloc "
-                    "keep freed memory, which cannot be undone: this run keeps it too")
-        reuse_host_memory = True
-    fault = Fault(**_fault_settings(conf, world.rank))
-    seed_everything(conf["seed"])
-    corpus, encoded, train_split, info = prepare_data(conf, strategy, world=world)
-    info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
-    info["reuse_host_memory"] = reuse_host_memory
-    info["deterministic"] = tr["deterministic"]
-    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    if strategy.auto:
-        strategy, info["auto"] = choose_for_budget(conf, strategy, encoded, train_split, device, world.size)
-        log.info("memory=auto: %s", info["auto"])
+    run = TrainingRun(conf, strategy, run_dir, begin, world, device, resumed)
+    try:
+        run.fit()
+        if not world.main:
+            world.barrier()
+            return {**run.info, "steps": run.p.step}
+        test_scores = run.test()
+        world.barrier()
+    except BaseException:
+        if world.main:
+            reached.update(run.info, **run.figures())
+        raise
+    finally:
+        run.close()
+    return run.summary(test_scores)
 
-    seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
-    model = build_model(conf["model"], encoded).to(device)
-    net = LossModule(model, tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
-    if strategy.fsdp:
-        fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters
-    optimizer, scheduler, peak_lr = build_optimizer(model, optim, device, fused=not strategy.fsdp)
-    trainer = Trainer(model, optimizer, scheduler, strategy, device, tgt_codec.pad_id, optim["label_smoothing"],
-                      optim["clip_grad_norm"], world, net)
-    trainer.agree_on_oom = world.distributed and strategy.backoffs(world.distributed) > 0
-    if world.distributed:  # the same weights on every rank (DDP checks), different dropout masks
-        seed_everything(conf["seed"] + world.rank)
-    batch_size, max_tokens = data["batch_size"], strategy.max_tokens
-    sizes = pair_sizes(train_split)
-    overfit = tr.get("overfit_batches")
 
-    def batches(epoch: int) -> list[list[int]]:
-        try:
-            order = epoch_batches(sizes, batch_size, max_tokens, shuffle=True, seed=conf["seed"],
-                                  epoch=0 if overfit else epoch)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if overfit and overfit > len(order):
-            raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
-        return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
+class TrainingRun:
+    """One run of ``_run``: the constructor sets it up (its data, model, optimizer and trainer, evaluator and
+    memory tracker, a resumed checkpoint, in that order), ``fit`` trains it, ``test`` translates the test set
+    with the model chosen for it, and ``summary`` is what the run reached."""
 
-    def steps(epoch: int, batches_done: int = 0) -> list[tuple[list[int], bool, list[list[int]]]]:
-        """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
-        may have been trained with another number of ranks)."""
-        return shard_steps(batches(epoch)[batches_done:], world)
+    def __init__(self, conf: dict, strategy: MemoryStrategy, run_dir: Path,
+                 begin: Callable[[], RunLogger | NullLogger], world: World, device: torch.device,
+                 resumed: tuple[Path, dict] | None):
+        self.conf, self.run_dir, self.begin, self.world, self.device = conf, run_dir, begin, world, device
+        self.tr, self.data, self.optim = conf["trainer"], conf["data"], conf["optim"]
+        self.logger = begin() if resumed is None else None
+        self._prepare_data(strategy)
+        self._build_model()
+        self._plan_batches_and_evaluation()
+        self._compile_and_watch_memory()
+        self._read_settings()
+        self.p = Progress(accum_steps=self.strategy.accum_steps)
+        self.window = _Window(device, world)
+        self.saved_step = -1  # the step of the newest step checkpoint written by this process
+        if resumed is not None:
+            self._resume(*resumed)
+        self._start()
 
-    tgt_sizes = [len(t) + 1 for t in train_split.tgt]  # target tokens of each pair, its </s> included
-    batches_per_epoch = len(steps(0))
-    overfit_pairs = [i for b in batches(0) for i in b] if overfit else None
-    eval_sets = evaluation_sets(corpus, encoded, tr.get("limit_eval"),
-                                (train_split, overfit_pairs) if overfit else None)
-    evaluator = Evaluator(eval_sets, encoded, device, tr, optim["label_smoothing"], strategy, data["tgt_lang"])
-    info.update(
-        parameters=model.num_parameters(),
-        batch_size=None if max_tokens else batch_size,
-        max_tokens=max_tokens,
-        batches_per_epoch=batches_per_epoch,
-        accum_steps=strategy.accum_steps,
-        micro_batch_size=None if max_tokens else -(-batch_size // strategy.accum_steps),
-        amp=strategy.amp,
-        peak_lr=peak_lr,
-        eval_pairs={k: len(v.encoded) for k, v in eval_sets.items()},
-        overfit_batches=overfit,
-    )
-    log.info(
-        "%s: %s parameters, vocab %d/%d, %d training pairs, batches of %s in %d micro-batches, device %s",
-        strategy.label, f"{info['parameters']:,}", len(src_codec), len(tgt_codec), len(train_split),
-        f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, device,
-    )
+    # ------------------------------------------------------------------------------------------------- set-up
 
-    track = tr.get("track_memory", True)
-    every = tr.get("memory_every")
-    if tr.get("compile"):
-        trainer.compile()
-        if track:
-            log.warning("trainer.compile: the tensor tracker sees eager operations only; tensors are not counted"
-                        + (" (the CUDA allocator's figures stay)" if device.type == "cuda" else ""))
-            track = False
-    peak = PeakMemory(device, track=track, every=every)
-    peak.watch(model, optimizer, buckets=ddp_bucket_bytes(trainer.net))
-    trainer.ledger = peak.mark
+    def _prepare_data(self, strategy: MemoryStrategy) -> None:
+        """The checks that need no data, this process's settings for the run, then its data; memory=auto
+        chooses ``self.strategy`` from it."""
+        tr, device, world = self.tr, self.device, self.world
+        strategy.check_device(device)
+        check_scoring(self.data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
+        if tr.get("threads"):
+            torch.set_num_threads(tr["threads"])
+        reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
+        if device.type == "cpu" and not reuse_host_memory and freed_host_memory_kept():
+            log.warning("trainer.reuse_host_memory=false, but an earlier run in this process (a sweep's job) made "
+                        "malloc keep freed memory, which cannot be undone: this run keeps it too")
+            reuse_host_memory = True
+        self.fault = Fault(**_fault_settings(self.conf, world.rank))
+        seed_everything(self.conf["seed"])
+        self.corpus, self.encoded, self.train_split, info = prepare_data(self.conf, strategy, world=world)
+        self.info = info
+        info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
+        info["reuse_host_memory"] = reuse_host_memory
+        info["deterministic"] = tr["deterministic"]
+        self.src_codec, self.tgt_codec = self.encoded.src_codec, self.encoded.tgt_codec
+        if strategy.auto:
+            strategy, info["auto"] = choose_for_budget(self.conf, strategy, self.encoded, self.train_split, device,
+                                                       world.size)
+            log.info("memory=auto: %s", info["auto"])
+        self.strategy = strategy
 
-    plain: list[Transformer] = []  # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
+    def _build_model(self) -> None:
+        """The model, its loss, optimizer and scheduler, and the trainer that steps them."""
+        conf, optim, strategy, world = self.conf, self.optim, self.strategy, self.world
+        seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
+        self.model = build_model(conf["model"], self.encoded).to(self.device)
+        net = LossModule(self.model, self.tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
+        if strategy.fsdp:
+            fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters
+        self.optimizer, self.scheduler, self.peak_lr = build_optimizer(self.model, optim, self.device,
+                                                                       fused=not strategy.fsdp)
+        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, strategy, self.device, self.tgt_codec.pad_id,
+                               optim["label_smoothing"], optim["clip_grad_norm"], world, net)
+        self.trainer.agree_on_oom = world.distributed and strategy.backoffs(world.distributed) > 0
+        if world.distributed:  # the same weights on every rank (DDP checks), different dropout masks
+            seed_everything(conf["seed"] + world.rank)
 
-    def evaluation_model(model_state: dict | None = None) -> Transformer:
-        """The model to evaluate: the trained one, or under memory=fsdp a plain copy (with its gathered weights)."""
-        if not strategy.fsdp:
-            return model
-        if not plain:
-            # its initial weights are overwritten at once: drawn from a fork of the generator, so that evaluating
-            # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
-            with torch.random.fork_rng(devices=[]):
-                plain.append(build_model(conf["model"], encoded).to(device))
-        if model_state is not None:
-            plain[0].load_state_dict(model_state)
-        return plain[0]
+    def _plan_batches_and_evaluation(self) -> None:
+        """The training batches' settings, the evaluation sets and their evaluator; what the run trains, in
+        ``info`` and the log."""
+        tr, strategy, info = self.tr, self.strategy, self.info
+        self.batch_size, self.max_tokens = self.data["batch_size"], strategy.max_tokens
+        batch_size, max_tokens = self.batch_size, self.max_tokens
+        self.sizes = pair_sizes(self.train_split)
+        self.overfit = overfit = tr.get("overfit_batches")
+        self.tgt_sizes = [len(t) + 1 for t in self.train_split.tgt]  # target tokens of each pair, its </s> included
+        self.batches_per_epoch = len(self.steps(0))
+        overfit_pairs = [i for b in self.batches(0) for i in b] if overfit else None
+        self.eval_sets = evaluation_sets(self.corpus, self.encoded, tr.get("limit_eval"),
+                                         (self.train_split, overfit_pairs) if overfit else None)
+        self.evaluator = Evaluator(self.eval_sets, self.encoded, self.device, tr, self.optim["label_smoothing"],
+                                   strategy, self.data["tgt_lang"])
+        info.update(
+            parameters=self.model.num_parameters(),
+            batch_size=None if max_tokens else batch_size,
+            max_tokens=max_tokens,
+            batches_per_epoch=self.batches_per_epoch,
+            accum_steps=strategy.accum_steps,
+            micro_batch_size=None if max_tokens else -(-batch_size // strategy.accum_steps),
+            amp=strategy.amp,
+            peak_lr=self.peak_lr,
+            eval_pairs={k: len(v.encoded) for k, v in self.eval_sets.items()},
+            overfit_batches=overfit,
+        )
+        log.info(
+            "%s: %s parameters, vocab %d/%d, %d training pairs, batches of %s in %d micro-batches, device %s",
+            strategy.label, f"{info['parameters']:,}", len(self.src_codec), len(self.tgt_codec), len(self.train_split),
+            f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, self.device,
+        )
 
-    max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
-    ckpt_dir = checkpoint_dir(run_dir)
-    best_path = ckpt_dir / "best.pt"
-    ckpt_meta = {"model_args": model.args.to_dict(), "strategy": asdict(strategy), "config": conf}
-    save_every = tr.get("save_every") or tr.get("eval_every")
-    keep_last, average_last = tr["keep_last"], tr.get("average_last")
-    on_nonfinite, max_nonfinite = tr["on_nonfinite"], tr["max_nonfinite"]
-    peak_tflops = tr.get("peak_tflops")
+    def _compile_and_watch_memory(self) -> None:
+        """trainer.compile, and the memory tracker (which sees eager operations only)."""
+        tr, trainer = self.tr, self.trainer
+        track = tr.get("track_memory", True)
+        every = tr.get("memory_every")
+        if tr.get("compile"):
+            trainer.compile()
+            if track:
+                log.warning("trainer.compile: the tensor tracker sees eager operations only; tensors are not counted"
+                            + (" (the CUDA allocator's figures stay)" if self.device.type == "cuda" else ""))
+                track = False
+        self.peak = PeakMemory(self.device, track=track, every=every)
+        self.peak.watch(self.model, self.optimizer, buckets=ddp_bucket_bytes(trainer.net))
+        trainer.ledger = self.peak.mark
+        # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
+        self.plain: Transformer | None = None
 
-    p = Progress(accum_steps=strategy.accum_steps)
-    window = _Window(device, world)
-    if resumed is not None:
-        path, ckpt = resumed
-        check_resumable(path, ckpt, model.args.to_dict(), conf)
-        load_full_state(model, optimizer, ckpt["model"], ckpt["optimizer"], strategy.fsdp)
-        scheduler.load_state_dict(ckpt["scheduler"])
+    def _read_settings(self) -> None:
+        """The trainer's settings the loop reads: when it stops, what it checkpoints, what a non-finite step does."""
+        tr = self.tr
+        self.max_steps, self.max_epochs = tr.get("max_steps"), tr.get("max_epochs")
+        self.ckpt_dir = checkpoint_dir(self.run_dir)
+        self.best_path = self.ckpt_dir / "best.pt"
+        self.ckpt_meta = {"model_args": self.model.args.to_dict(), "strategy": asdict(self.strategy),
+                          "config": self.conf}
+        self.save_every = tr.get("save_every") or tr.get("eval_every")
+        self.keep_last, self.average_last = tr["keep_last"], tr.get("average_last")
+        self.on_nonfinite, self.max_nonfinite = tr["on_nonfinite"], tr["max_nonfinite"]
+        self.peak_tflops = tr.get("peak_tflops")
+
+    def _resume(self, path: Path, ckpt: dict) -> None:
+        """Continue from a checkpoint: its states, its progress and random generators; ``begin`` once it is accepted."""
+        world, ckpt_dir, best_path = self.world, self.ckpt_dir, self.best_path
+        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf)
+        load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)
+        self.scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
-            trainer.scaler.load_state_dict(ckpt["scaler"])
-        logger = begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
-        p = Progress.from_checkpoint(ckpt)
-        window.load_totals(p.totals)
-        peak.load_run_state(p.memory)
+            self.trainer.scaler.load_state_dict(ckpt["scaler"])
+        self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
+        self.p = p = Progress.from_checkpoint(ckpt)
+        self.window.load_totals(p.totals)
+        self.peak.load_run_state(p.memory)
         ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
         set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
         ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
-        info["resumed_from"] = {"path": str(path), "step": p.step}
+        self.info["resumed_from"] = {"path": str(path), "step": p.step}
         # Checkpoints written after this one, by an attempt that stopped: not this run's history, which may differ
         # (a shorter run, other settings), nor its test model (best.pt, or the newest for average_last)
         later = best_path.is_file() and (checkpoint_step(best_path) or 0) > p.step
@@ -695,96 +730,112 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
         log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
                  p.batches_done)
 
-    if world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
-        save_codecs(run_dir / "tokenizer", src_codec, tgt_codec)
-    logger.rewind(p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
-    total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * batches_per_epoch)))  # whichever ends first
-    bar = tqdm(total=total_steps, initial=p.step, disable=not tr.get("progress", True), desc=strategy.label,
-               dynamic_ncols=True)
+    def _start(self) -> None:
+        """The tokenizer's files, the log from the step the run starts at, and the progress bar."""
+        if self.world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
+            save_codecs(self.run_dir / "tokenizer", self.src_codec, self.tgt_codec)
+        self.logger.rewind(self.p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
+        max_steps, max_epochs, epoch_steps = self.max_steps, self.max_epochs, self.batches_per_epoch
+        total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * epoch_steps)))  # whichever ends first
+        self.bar = tqdm(total=total_steps, initial=self.p.step, disable=not self.tr.get("progress", True),
+                        desc=self.strategy.label, dynamic_ncols=True)
 
-    def log_window() -> None:
-        metrics = window.flush()
-        if metrics:
-            if peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
-                metrics["mfu"] = metrics["model_tflops"] / (peak_tflops * world.size)
-            metrics.update(peak.window_metrics())
-            logger.log(metrics, p.step)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
-                            tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
+    # ------------------------------------------------------------------------------------------------ batches
 
-    saved_step = -1  # the step of the newest step checkpoint written by this process
+    def batches(self, epoch: int) -> list[list[int]]:
+        overfit = self.overfit
+        try:
+            order = epoch_batches(self.sizes, self.batch_size, self.max_tokens, shuffle=True, seed=self.conf["seed"],
+                                  epoch=0 if overfit else epoch)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if overfit and overfit > len(order):
+            raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
+        return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
 
-    def save(path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
-        """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
-        every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
-        nonlocal saved_step
-        if path is None:
-            saved_step = p.step
-        p.totals, p.memory = window.totals(), peak.run_state()
-        model_state, optim_state = states or full_state(model, optimizer, strategy.fsdp)
-        rng = rng_state()
-        ranks = world.gather(rng) if world.distributed else None
-        if not world.main:
-            return
-        state = dict(model=model_state, optimizer=optim_state, scheduler=scheduler.state_dict(),
-                     scaler=trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks, **ckpt_meta)
-        save_checkpoint(path or ckpt_dir / f"step_{p.step:08d}.pt", **state)
-        if path is None:
-            prune(ckpt_dir, keep_last)
+    def steps(self, epoch: int, batches_done: int = 0) -> list[tuple[list[int], bool, list[list[int]]]]:
+        """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
+        may have been trained with another number of ranks)."""
+        return shard_steps(self.batches(epoch)[batches_done:], self.world)
 
-    def run_eval() -> tuple[dict, dict] | None:
-        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores. memory=fsdp:
-        returns the states it gathered, for a checkpoint written at the same step."""
-        log_window()  # the training steps so far count; evaluation is neither timed nor measured
-        p.last_eval_step = p.step
-        states = full_state(model, optimizer, True) if strategy.fsdp else None  # every rank takes part
-        scores = validate(evaluation_model(states and states[0])) if world.main else None
-        scores = world.broadcast(scores)
-        if scores["bleu"] > p.best_bleu:
-            p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
-            save(best_path, states)
-        peak.skip_window()
-        return states
+    # --------------------------------------------------------------------------------------------- training
 
-    def validate(m: Transformer) -> dict:
-        t0 = time.perf_counter()
-        losses = evaluator.loss(m)
-        scores, hyps = evaluator.translate(m, "valid")
-        metrics = {f"valid_{k}": v for k, v in losses.items()} | {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
-        metrics["eval_s"] = round(time.perf_counter() - t0, 2)
-        logger.log(metrics, p.step)
-        valid = eval_sets["valid"].text
-        logger.log_samples(p.step, valid.src, valid.tgt, hyps)
-        for i in range(min(tr.get("num_samples", 0), len(hyps))):
-            log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
-        log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"], scores["bleu"], scores["chrf"])
-        return scores
+    def fit(self) -> None:
+        """Train until trainer.max_steps or max_epochs, validating and checkpointing on the way; then the last
+        step's validation and checkpoint. A signal stops the run after its step, with a checkpoint
+        (``Interrupted``)."""
+        p, tr, world, device = self.p, self.tr, self.world, self.device
+        profile_dir = self.run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
+        with (stop_on_signals() as stop,
+              StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step,
+                           device) as profiler):
+            while not self.done():
+                for indices, real, group in self.steps(p.epoch, p.batches_done):
+                    profiler.step()
+                    self.window.resume()
+                    stats = self.train_step(indices, real, group)
+                    self.window.add(stats, p.epoch)
+                    p.step += 1
+                    p.batches_done += len(group)
+                    self.bar.update(1)
+                    self.check_finite(stats)
+                    if p.step % tr["log_every"] == 0:
+                        self.log_window()
+                    states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
+                    if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
+                        states = self.run_eval()
+                    if self.save_every and p.step % self.save_every == 0:
+                        self.log_window()
+                        self.save(states=states)
+                    if world.any(stop.signum is not None):
+                        stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
+                    if stop.signum is not None:
+                        self.log_window()
+                        if self.saved_step != p.step:
+                            self.save(states=states)
+                        raise Interrupted(stop.signum, p.step)
+                    if self.done():
+                        break
+                else:
+                    p.epoch, p.batches_done = p.epoch + 1, 0
+        self.bar.close()
+        self.log_window()
+        if p.last_eval_step != p.step:
+            self.save(states=self.run_eval())
+        elif self.saved_step != p.step:  # not when the loop's last step wrote it
+            self.save()
 
-    def train_step(indices: list[int], real: bool, group: list[list[int]]):
+    def done(self) -> bool:
+        p, max_steps, max_epochs = self.p, self.max_steps, self.max_epochs
+        return bool((max_steps and p.step >= max_steps) or (max_epochs and p.epoch >= max_epochs))
+
+    def train_step(self, indices: list[int], real: bool, group: list[list[int]]):
         """One optimizer step. On out-of-memory: drop the partial window's gradients, cut every micro-batch in
         two for the rest of the run (twice the accumulation: the same examples, the same effective batch, the
         same update) and redo the step; after ``memory.oom_retries`` back-offs, fail with a memory snapshot.
         Data-parallel with memory.oom_retries set: every rank learns of one rank's error (Trainer.agree_on_oom) and
         backs off alike, deciding from the step's batches on all ranks."""
+        p, peak, world, sizes, tgt_codec = self.p, self.peak, self.world, self.sizes, self.tgt_codec
         step = p.step + 1
-        step_tokens = sum(tgt_sizes[i] for b in group for i in b)
-        retries = strategy.backoffs(world.distributed)
+        step_tokens = sum(self.tgt_sizes[i] for b in group for i in b)
+        retries = self.strategy.backoffs(world.distributed)
         for attempt in range(retries + 1):
-            micro = micro_batches(train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
+            micro = micro_batches(self.train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
             try:
                 with peak.measure(step):
-                    fault.maybe_raise(step, trainer)
-                    stats = trainer.step(micro, step_tokens, real)
+                    self.fault.maybe_raise(step, self.trainer)
+                    stats = self.trainer.step(micro, step_tokens, real)
                 peak.record_history(False)  # after a back-off: the step was redone
                 return stats
             except torch.OutOfMemoryError as e:
-                optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=True)
                 reason = str(e).splitlines()[0]
                 del micro
                 largest = max(len(part) for b in group for part in split_batch(b, sizes, p.accum_steps))
                 if attempt == retries or largest == 1:
-                    snapshot = peak.snapshot(run_dir / f"oom_snapshot{f'_rank{world.rank}' if world.distributed else ''}")
+                    rank = f"_rank{world.rank}" if world.distributed else ""
+                    snapshot = peak.snapshot(self.run_dir / f"oom_snapshot{rank}")
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step} with micro-batches of up to {largest} pairs "
                         f"(accum_steps {p.accum_steps}) after {len(p.backoffs)} back-off(s): {reason}"
@@ -794,44 +845,152 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
                 p.backoffs.append({"step": step, "accum_steps": p.accum_steps, "error": reason})
                 peak.record_history()  # until the step is redone: a final failure comes with a useful snapshot
                 log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step, reason, p.accum_steps)
-                logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
+                self.logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
         raise AssertionError("unreachable")
 
-    def check_finite(stats) -> None:
+    def check_finite(self, stats) -> None:
         if not stats.nonfinite:
             return
+        p = self.p
         p.nonfinite_skips += 1
         where = f"non-finite loss or gradient at step {p.step}"
-        if on_nonfinite == "stop":
+        if self.on_nonfinite == "stop":
             raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
-        if p.nonfinite_skips > max_nonfinite:
+        if p.nonfinite_skips > self.max_nonfinite:
             raise NumericalError(f"{where}: {p.nonfinite_skips} steps skipped, more than trainer.max_nonfinite="
-                                 f"{max_nonfinite}; lower the learning rate, or check the data")
+                                 f"{self.max_nonfinite}; lower the learning rate, or check the data")
         log.warning("%s: update skipped (%d so far; trainer.on_nonfinite=skip)", where, p.nonfinite_skips)
-        logger.log({"nonfinite_skips": p.nonfinite_skips}, p.step)
+        self.logger.log({"nonfinite_skips": p.nonfinite_skips}, p.step)
 
-    def done() -> bool:
-        return bool((max_steps and p.step >= max_steps) or (max_epochs and p.epoch >= max_epochs))
+    def log_window(self) -> None:
+        metrics = self.window.flush()
+        if metrics:
+            if self.peak_tflops:  # the FLOP/s of all ranks against the peak of as many devices
+                metrics["mfu"] = metrics["model_tflops"] / (self.peak_tflops * self.world.size)
+            metrics.update(self.peak.window_metrics())
+            self.logger.log(metrics, self.p.step)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
+                                 tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"))
 
-    def figures() -> dict:
+    def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
+        """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
+        every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
+        p, world = self.p, self.world
+        if path is None:
+            self.saved_step = p.step
+        p.totals, p.memory = self.window.totals(), self.peak.run_state()
+        model_state, optim_state = states or full_state(self.model, self.optimizer, self.strategy.fsdp)
+        rng = rng_state()
+        ranks = world.gather(rng) if world.distributed else None
+        if not world.main:
+            return
+        state = dict(model=model_state, optimizer=optim_state, scheduler=self.scheduler.state_dict(),
+                     scaler=self.trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks,
+                     **self.ckpt_meta)
+        save_checkpoint(path or self.ckpt_dir / f"step_{p.step:08d}.pt", **state)
+        if path is None:
+            prune(self.ckpt_dir, self.keep_last)
+
+    # ------------------------------------------------------------------------------------------- evaluation
+
+    def evaluation_model(self, model_state: dict | None = None) -> Transformer:
+        """The model to evaluate: the trained one, or under memory=fsdp a plain copy (with its gathered weights)."""
+        if not self.strategy.fsdp:
+            return self.model
+        if self.plain is None:
+            # its initial weights are overwritten at once: drawn from a fork of the generator, so that evaluating
+            # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
+            with torch.random.fork_rng(devices=[]):
+                self.plain = build_model(self.conf["model"], self.encoded).to(self.device)
+        if model_state is not None:
+            self.plain.load_state_dict(model_state)
+        return self.plain
+
+    def run_eval(self) -> tuple[dict, dict] | None:
+        """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores. memory=fsdp:
+        returns the states it gathered, for a checkpoint written at the same step."""
+        p, world = self.p, self.world
+        self.log_window()  # the training steps so far count; evaluation is neither timed nor measured
+        p.last_eval_step = p.step
+        states = full_state(self.model, self.optimizer, True) if self.strategy.fsdp else None  # every rank takes part
+        scores = self.validate(self.evaluation_model(states and states[0])) if world.main else None
+        scores = world.broadcast(scores)
+        if scores["bleu"] > p.best_bleu:
+            p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
+            self.save(self.best_path, states)
+        self.peak.skip_window()
+        return states
+
+    def validate(self, m: Transformer) -> dict:
+        p, logger, evaluator = self.p, self.logger, self.evaluator
+        t0 = time.perf_counter()
+        losses = evaluator.loss(m)
+        scores, hyps = evaluator.translate(m, "valid")
+        metrics = {f"valid_{k}": v for k, v in losses.items()}
+        metrics |= {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+        metrics["eval_s"] = round(time.perf_counter() - t0, 2)
+        logger.log(metrics, p.step)
+        valid = self.eval_sets["valid"].text
+        logger.log_samples(p.step, valid.src, valid.tgt, hyps)
+        for i in range(min(self.tr.get("num_samples", 0), len(hyps))):
+            log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
+        log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"],
+                 scores["bleu"], scores["chrf"])
+        return scores
+
+    def test(self) -> dict:
+        """Rank 0: the test set's translation (test.hyp.txt) and its scores."""
+        average_last, best_path, info = self.average_last, self.best_path, self.info
+        # The test set is translated once: by the checkpoint with the best validation BLEU, or with
+        # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
+        # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
+        # memory=fsdp: the copy evaluations use (made here where none ran in this process: a run resumed at its end)
+        tested = self.evaluation_model()
+        if average_last:
+            newest = [path for _, path in step_checkpoints(self.ckpt_dir)[:average_last]][::-1]
+            if len(newest) < average_last:
+                log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
+                            average_last, len(newest))
+            tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
+            info["test_checkpoints"] = [path.name for path in newest]
+        else:
+            tested.load_state_dict(load_checkpoint(best_path)["model"])
+            info["test_checkpoints"] = [best_path.name]
+        test_scores, test_hyps = self.evaluator.translate(tested, "test")
+        write_text(self.run_dir / "test.hyp.txt", "\n".join(test_hyps) + "\n")
+        tested_by = (f"average of {', '.join(info['test_checkpoints'])}" if average_last
+                     else f"best checkpoint, step {self.p.best_step}")
+        log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"], tested_by,
+                 test_scores["bleu_signature"])
+        return test_scores
+
+    # ---------------------------------------------------------------------------------------------- results
+
+    def close(self) -> None:
+        """After the run, also on failure."""
+        self.bar.close()  # also on failure: a sweep's next job puts its bar where this one was
+        self.peak.record_history(False)
+
+    def figures(self) -> dict:
         """The training figures so far: steps, throughput (up to the last log line), memory, best validation."""
+        p, window, peak, peak_tflops = self.p, self.window, self.peak, self.peak_tflops
         train_s = max(window.total_seconds, 1e-9)
         timed = window.total_seconds > 0  # a run stopped before its first log line timed no step: no throughput
         tflops = window.total_flops / train_s / 1e12 if timed else None
         return {
-            "strategy": strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
+            "strategy": self.strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
             "steps": p.step,
-            "epochs": round(p.step / batches_per_epoch, 3),
+            "epochs": round(p.step / self.batches_per_epoch, 3),
             "src_tokens": window.total_src_tokens,
             "tgt_tokens": window.total_tgt_tokens,
             "train_s": round(window.total_seconds, 2),
             "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1) if timed else None,
             "padding_ratio": round(window.padding_ratio(total=True), 4),
             "model_tflops": float(f"{tflops:.4g}") if timed else None,  # model FLOP/s, ModelArgs.training_flops
-            "mfu": float(f"{tflops / (peak_tflops * world.size):.4g}") if peak_tflops and timed else None,
-            "fp16_skipped_steps": window.total_skipped if strategy.amp == "fp16" else None,
+            "mfu": float(f"{tflops / (peak_tflops * self.world.size):.4g}") if peak_tflops and timed else None,
+            "fp16_skipped_steps": window.total_skipped if self.strategy.amp == "fp16" else None,
             "final_accum_steps": p.accum_steps,
-            "final_eval_batch_size": evaluator.batch_size,
+            "final_eval_batch_size": self.evaluator.batch_size,
             "oom_backoffs": p.backoffs,
             "nonfinite_skips": p.nonfinite_skips,
             "peak_memory_mb": _round(peak.run_peak_mb()),
@@ -843,88 +1002,18 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
             "valid_chrf": p.valid_scores.get("chrf"),
         }
 
-    try:
-        profile_dir = run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
-        with (stop_on_signals() as stop,
-              StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step, device) as profiler):
-            while not done():
-                for indices, real, group in steps(p.epoch, p.batches_done):
-                    profiler.step()
-                    window.resume()
-                    stats = train_step(indices, real, group)
-                    window.add(stats, p.epoch)
-                    p.step += 1
-                    p.batches_done += len(group)
-                    bar.update(1)
-                    check_finite(stats)
-                    if p.step % tr["log_every"] == 0:
-                        log_window()
-                    states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
-                    if tr.get("eval_every") and p.step % tr["eval_every"] == 0:
-                        states = run_eval()
-                    if save_every and p.step % save_every == 0:
-                        log_window()
-                        save(states=states)
-                    if world.any(stop.signum is not None):
-                        stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
-                    if stop.signum is not None:
-                        log_window()
-                        if saved_step != p.step:
-                            save(states=states)
-                        raise Interrupted(stop.signum, p.step)
-                    if done():
-                        break
-                else:
-                    p.epoch, p.batches_done = p.epoch + 1, 0
-        bar.close()
-        log_window()
-        if p.last_eval_step != p.step:
-            save(states=run_eval())
-        elif saved_step != p.step:  # not when the loop's last step wrote it
-            save()
-
-        if not world.main:
-            world.barrier()
-            return {**info, "steps": p.step}
-        # The test set is translated once: by the checkpoint with the best validation BLEU, or with
-        # trainer.average_last=N by the mean of the last N step checkpoints' weights (as the paper scored its models).
-        # Read on the CPU: a checkpoint holds the optimizer's state too, for which the device may have no room left.
-        # memory=fsdp: the copy evaluations use (made here where none ran in this process: a run resumed at its end)
-        tested = evaluation_model()
-        if average_last:
-            newest = [path for _, path in step_checkpoints(ckpt_dir)[:average_last]][::-1]
-            if len(newest) < average_last:
-                log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
-                            average_last, len(newest))
-            tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
-            info["test_checkpoints"] = [path.name for path in newest]
-        else:
-            tested.load_state_dict(load_checkpoint(best_path)["model"])
-            info["test_checkpoints"] = [best_path.name]
-        test_scores, test_hyps = evaluator.translate(tested, "test")
-        write_text(run_dir / "test.hyp.txt", "\n".join(test_hyps) + "\n")
-        log.info("test BLEU %.2f, chrF %.2f (%s) | %s", test_scores["bleu"], test_scores["chrf"],
-                 f"average of {', '.join(info['test_checkpoints'])}" if average_last else f"best checkpoint, step {p.best_step}",
-                 test_scores["bleu_signature"])
-        world.barrier()
-    except BaseException:
-        if world.main:
-            reached.update(info, **figures())
-        raise
-    finally:
-        bar.close()  # also on failure: a sweep's next job puts its bar where this one was
-        peak.record_history(False)
-
-    return {
-        **info,
-        **figures(),
-        "test_bleu": test_scores["bleu"],
-        "test_decode_s": evaluator.decode_s["test"],  # decoding the test set (batched, key/value cache)
-        "beam_size": tr["beam_size"],
-        "test_chrf": test_scores["chrf"],
-        "sacrebleu_signature": test_scores["bleu_signature"],
-        "chrf_signature": test_scores["chrf_signature"],
-    }
+    def summary(self, test_scores: dict) -> dict:
+        """What a completed run reached: its settings and data, its training figures, its test scores."""
+        return {
+            **self.info,
+            **self.figures(),
+            "test_bleu": test_scores["bleu"],
+            "test_decode_s": self.evaluator.decode_s["test"],  # decoding the test set (batched, key/value cache)
+            "beam_size": self.tr["beam_size"],
+            "test_chrf": test_scores["chrf"],
+            "sacrebleu_signature": test_scores["bleu_signature"],
+            "chrf_signature": test_scores["chrf_signature"],
+        }
 
 
 class Fault:
