@@ -30,7 +30,15 @@ from tqdm.auto import tqdm
 from . import planner
 from .checkpoint import averaged_checkpoint, checkpoint_step, load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
-from .data.corpus import MULTI30K_URL, Corpus, ParallelText, load_files, load_multi30k, load_synthetic
+from .data.corpus import (
+    MULTI30K_URL,
+    Corpus,
+    ParallelText,
+    check_data,
+    load_files,
+    load_multi30k,
+    load_synthetic,
+)
 from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
 from .data.synthetic import LengthDistribution
 from .distributed import (
@@ -71,7 +79,7 @@ from .state import (
     set_rng_state,
     step_checkpoints,
 )
-from .tokenizers import save_codecs
+from .tokenizers import check_tokenizer, save_codecs
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
 T = TypeVar("T")
@@ -88,7 +96,13 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"trainer.device={name}: no CUDA device is visible; use trainer.device=cpu (or auto)")
     if name != "cpu" and not name.startswith("cuda"):
         raise ConfigError(f"trainer.device={name}: expected auto, cpu or cuda")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # cuda:x
+        raise ConfigError(f"trainer.device={name}: expected auto, cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"trainer.device={name}: {torch.cuda.device_count()} CUDA device(s) visible, numbered from 0")
+    return device
 
 
 def check_trainer(tr: dict) -> None:
@@ -164,10 +178,12 @@ def check_plan(plan: dict) -> None:
 
 def check_settings(conf: dict) -> None:
     """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
-    optimizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
+    optimizer, data, tokenizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
     check_trainer(conf["trainer"])
     check_model(conf["model"])
     check_optim(conf["optim"])
+    check_data(conf["data"])
+    check_tokenizer(conf["tokenizer"])
     check_int("data.batch_size", conf["data"].get("batch_size"), 1)
     check_plan(conf.get("plan") or {})
 
@@ -194,8 +210,8 @@ def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus
 
 def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
     src, tgt = encoded.src_codec, encoded.tgt_codec
-    if src.pad_id != tgt.pad_id:
-        raise ConfigError("source and target tokenizers must share the padding id")
+    if (src.pad_id, src.eos_id) != (tgt.pad_id, tgt.eos_id):  # batches end and pad sources with the target's ids
+        raise ConfigError("source and target tokenizers must share the padding and end-of-sentence ids")
     return Transformer(model_args(model, len(src), len(tgt), src is tgt, tgt.pad_id))
 
 

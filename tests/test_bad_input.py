@@ -81,7 +81,14 @@ RUN = [
      "data.train_prefix is required: add data.train_prefix=..."),
     ("every pair longer than the limits, dropped", ["memory.max_src_len=1", "memory.max_tgt_len=1", "memory.overlong=drop"],
      "every training pair is longer than memory.max_src_len / max_tgt_len"),
+    ("a corpus size of null", ["data.test_size=null"], "data.test_size=None: must be an integer >= 1"),
+    ("a vocabulary threshold of null", ["tokenizer.min_freq=null"], "tokenizer.min_freq=None: must be an integer >= 1"),
+    ("a download address that is a folder", ["data=multi30k", "data.url=/data/multi30k"],
+     "data.url=/data/multi30k: expected an http://, https:// or file:// address; a folder of the raw files is "
+     "data.root"),
 ]
+CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null",
+                             "a download address that is a folder"}  # before the data, as the trainer's are
 FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),
     ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),
@@ -131,7 +138,7 @@ def test_command_line_mistakes(what, overrides, message):
 
 # the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
 EARLY = {c[0] for c in RUN if all(o.split(".")[0] in ("trainer", "model", "optim") or o.startswith("data.batch_size")
-                                  for o in c[1]) and "training data" not in c[2]}
+                                  for o in c[1]) and "training data" not in c[2]} | CHECKED_WITH_THE_SETTINGS
 
 
 @pytest.mark.parametrize("what,overrides,message", RUN, ids=[c[0] for c in RUN])
@@ -173,6 +180,18 @@ def test_bad_corpus_files(what, files, message, tmp_path):
     with pytest.raises(UserError) as e:
         train(cfg)
     assert str(e.value).startswith(message.format(data=data)), str(e.value)
+
+
+def test_a_gpu_index_beyond_those_visible(monkeypatch):
+    from src.run import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(UserError, match=r"^trainer.device=cuda:2: 2 CUDA device\(s\) visible, numbered from 0$"):
+        resolve_device("cuda:2")
+    with pytest.raises(UserError, match=r"^trainer.device=cuda:x: expected auto, cpu, cuda or cuda:<index>$"):
+        resolve_device("cuda:x")
 
 
 def test_bom_and_crlf_are_read_as_plain_text(tmp_path):
@@ -260,3 +279,22 @@ def test_translate_py_checks_its_arguments_before_loading_anything(args, message
     with pytest.raises(SystemExit) as e:
         translate.main(["/nonexistent.pt", "--input", "/nonexistent.de", *args])
     assert e.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+
+
+def test_tokenizers_that_end_sentences_with_other_ids_are_refused():
+    """Batches end and pad the source with the target tokenizer's ids, and decoding with the source's own."""
+    import types
+
+    from src.run import build_model
+
+    class Codec:
+        def __init__(self, eos_id):
+            self.pad_id, self.eos_id = 1, eos_id
+
+        def __len__(self):
+            return 50
+
+    tiny = {"d_model": 16, "n_heads": 2, "d_ff": 32, "encoder_layers": 1, "decoder_layers": 1, "dropout": 0.0}
+    assert build_model(tiny, types.SimpleNamespace(src_codec=Codec(2), tgt_codec=Codec(2))).args.src_vocab == 50
+    with pytest.raises(UserError, match="must share the padding and end-of-sentence ids"):
+        build_model(tiny, types.SimpleNamespace(src_codec=Codec(2), tgt_codec=Codec(3)))
