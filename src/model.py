@@ -39,8 +39,10 @@ class ModelArgs:
     # The paper normalizes after each residual block (post-norm); pre-norm trains more stably without warmup.
     norm_first: bool = False
     # Weight initialization. "xavier": Xavier-uniform matrices and PyTorch's default biases (The Annotated
-    # Transformer). "fairseq": fairseq's transformer: zero biases, and the query/key/value projections drawn with
-    # gain 1/sqrt(2). Embeddings (and an untied output projection) start from N(0, d_model^-0.5) under both.
+    # Transformer). "fairseq": fairseq's transformer as it was initialized when its attention had one combined
+    # query/key/value projection: zero biases, and those projections drawn with gain 1/sqrt(2) (later releases keep
+    # PyTorch's default biases there and in the feed-forward layers). Embeddings (and an untied output projection)
+    # start from N(0, d_model^-0.5) under both.
     init: str = "xavier"
 
     def to_dict(self) -> dict:
