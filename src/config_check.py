@@ -10,6 +10,7 @@ integer, a number a number, a flag true or false; null defaults accept anything)
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from pathlib import Path
 
@@ -57,6 +58,13 @@ def _compose(overrides: list[str]) -> DictConfig:
         return compose(config_name="train", overrides=overrides)
 
 
+@functools.lru_cache(maxsize=64)
+def _defaults(choices: tuple[str, ...]) -> dict:
+    """The config of these group options, as plain data: the types the values are checked against. A sweep's
+    jobs share their groups' options, so each set is composed once. Read only."""
+    return OmegaConf.to_container(_compose(list(choices)), resolve=False)
+
+
 def check_overrides(overrides: list[str]) -> None:
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
@@ -77,9 +85,8 @@ def check_overrides(overrides: list[str]) -> None:
     # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
     # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
     groups = [o for o in overrides if _group_choice(o)]
-    defaults = OmegaConf.to_container(_compose(groups), resolve=False)
-    plain = [o for o in groups if o.split("=")[0] not in PRESETS]
-    group_defaults = OmegaConf.to_container(_compose(plain), resolve=False) if plain != groups else defaults
+    defaults = _defaults(tuple(groups))
+    group_defaults = _defaults(tuple(o for o in groups if o.split("=")[0] not in PRESETS))
     given = OmegaConf.to_container(cfg, resolve=False)
     for override in overrides:
         if _group_choice(override):
@@ -110,7 +117,7 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
 
     parent, _, leaf = key.rpartition(".")
     try:
-        tree = OmegaConf.to_container(_compose([o for o in overrides if _group_choice(o)]), resolve=False)
+        tree = _defaults(tuple(o for o in overrides if _group_choice(o)))
     except HydraException:  # an option that does not exist: reported once this key is fixed
         tree = {}
     node = _get(tree, parent) if parent else {k: v for k, v in tree.items() if k != "hydra"}
