@@ -71,12 +71,13 @@ def check_overrides(overrides: list[str]) -> None:
     try:
         cfg = _compose(overrides)
     except MissingConfigException as e:
-        found = re.search(r"Could not find '([^/']+)/([^']+)'", str(e))
+        # "Could not find 'memory/amd'" for one option; "Could not load 'memory/acum'" for one of a list
+        found = re.search(r"Could not (?:find|load) '([^/']+)/([^']+)'", str(e))
         if not found:
             raise ConfigError(str(e).splitlines()[0]) from None
         group, name = found.groups()
-        options = ", ".join(getattr(e, "options", None) or [])
-        raise ConfigError(f"{group}={name}: no such option; {group} is one of {options}") from None
+        options = getattr(e, "options", None) or sorted(f.stem for f in (CONF / group).glob("*.yaml"))
+        raise ConfigError(f"{group}={name}: no such option; {group} is one of {', '.join(options)}") from None
     except ConfigCompositionException as e:
         key = getattr(e.__cause__, "full_key", None)
         if key:

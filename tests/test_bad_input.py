@@ -23,6 +23,8 @@ DIRECTORY = object()  # in FILES: a folder in the file's place
 COMMAND_LINE = [
     ("mistyped key", ["model.dmodel=5"], "model.dmodel: no such key; did you mean model.d_model?"),
     ("unknown option of a group", ["memory=amd"], "memory=amd: no such option; memory is one of accum, amp, auto"),
+    ("unknown option in a list of a group's options", ["memory=[amp,acum]"],
+     "memory=acum: no such option; memory is one of accum, amp, auto"),
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
@@ -83,11 +85,14 @@ RUN = [
      "every training pair is longer than memory.max_src_len / max_tgt_len"),
     ("a corpus size of null", ["data.test_size=null"], "data.test_size=None: must be an integer >= 1"),
     ("a vocabulary threshold of null", ["tokenizer.min_freq=null"], "tokenizer.min_freq=None: must be an integer >= 1"),
+    ("an empty Multi30k folder setting", ["data=multi30k", "data.root=''"],
+     "data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the Multi30k raw files, or to "
+     "null to download them"),
     ("a download address that is a folder", ["data=multi30k", "data.url=/data/multi30k"],
      "data.url=/data/multi30k: expected an http://, https:// or file:// address; a folder of the raw files is "
      "data.root"),
 ]
-CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null",
+CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null", "an empty Multi30k folder setting",
                              "a download address that is a folder"}  # before the data, as the trainer's are
 FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),

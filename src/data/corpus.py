@@ -70,6 +70,9 @@ def check_data(data: dict) -> None:
         check_number("data.continue_prob", data.get("continue_prob"), 0, below=1)
         check_number("data.long_fraction", data.get("long_fraction"), 0)  # at most 1: LengthDistribution says so
     elif name == "multi30k":
+        if data.get("root") == "":  # the default reads MULTI30K_ROOT, which may be set to nothing
+            raise ConfigError("data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the "
+                              "Multi30k raw files, or to null to download them")
         url = data.get("url")
         if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://", "file://"))):
             raise ConfigError(f"data.url={url}: expected an http://, https:// or file:// address; a folder of the "
