@@ -534,3 +534,18 @@ def test_a_spacy_language_that_needs_another_package_says_which():
         spacy_tokenizer("th")
     with pytest.raises(ConfigError, match=r"^spaCy has no language 'zz'"):
         spacy_tokenizer("zz")
+
+
+def test_a_stray_carriage_return_is_a_space_and_old_mac_line_ends_are_refused(tmp_path, caplog):
+    import logging
+
+    stray = tmp_path / "stray.de"
+    stray.write_bytes(b"eins\nzwei\rdrei\r\nvier\n")
+    with caplog.at_level(logging.WARNING):
+        assert corpus_mod.read_lines(stray) == ["eins", "zwei drei", "vier"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{stray}: 1 line(s) hold a carriage return (the first: line 2); read as a space"]
+    mac = tmp_path / "mac.de"
+    mac.write_bytes(b"eins\rzwei\r")
+    with pytest.raises(DataError, match=r"mac.de:1: a carriage return inside the line \(old Mac line endings\?\)"):
+        corpus_mod.read_lines(mac)

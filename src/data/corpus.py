@@ -116,9 +116,14 @@ def read_lines(path: str | Path) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     lines = [line.removesuffix("\r") for line in lines]
-    if "\r" in text and (cr := next((i for i, line in enumerate(lines) if "\r" in line), None)) is not None:
-        raise DataError(f"{path}:{cr + 1}: a carriage return inside the line (old Mac line endings?); convert the "
-                        "file to \\n line endings")
+    if "\r" in text and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
+        if "\n" not in text:  # one line of many: the file ends its lines with \r alone
+            raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
+                            "file to \\n line endings")
+        # a stray one in a line, as web-crawled corpora have: whitespace, as BLEU's tokenizer would take it
+        log.warning("%s: %d line(s) hold a carriage return (the first: line %d); read as a space", path, len(stray),
+                    stray[0] + 1)
+        lines = [line.replace("\r", " ") for line in lines]
     return lines
 
 
