@@ -549,3 +549,13 @@ def test_a_stray_carriage_return_is_a_space_and_old_mac_line_ends_are_refused(tm
     mac.write_bytes(b"eins\rzwei\r")
     with pytest.raises(DataError, match=r"mac.de:1: a carriage return inside the line \(old Mac line endings\?\)"):
         corpus_mod.read_lines(mac)
+
+
+def test_files_put_end_to_end_and_utf16_files(tmp_path):
+    joined = tmp_path / "joined.de"
+    joined.write_bytes("\ufeffeins\nzwei\n".encode() + "\ufeffdrei\n".encode())
+    assert corpus_mod.read_lines(joined) == ["eins", "zwei", "drei"]  # the second file's BOM is not text
+    utf16 = tmp_path / "utf16.de"
+    utf16.write_bytes("eins\nzwei\n".encode("utf-16-le"))
+    with pytest.raises(DataError, match=r"utf16.de: looks like UTF-16, not UTF-8; convert the file to UTF-8"):
+        corpus_mod.read_lines(utf16)

@@ -107,6 +107,8 @@ def read_lines(path: str | Path) -> list[str]:
         raw = raw[3:]
     if not raw.strip():
         raise DataError(f"{path}: file is empty")
+    if raw.count(b"\x00") > len(raw) // 4:  # every other byte NUL: UTF-16 (UTF-8 text has none)
+        raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -115,7 +117,7 @@ def read_lines(path: str | Path) -> list[str]:
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()
-    lines = [line.removesuffix("\r") for line in lines]
+    lines = [line.removesuffix("\r").removeprefix("\ufeff") for line in lines]  # a BOM of files put end to end
     if "\r" in text and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
         if "\n" not in text:  # one line of many: the file ends its lines with \r alone
             raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
