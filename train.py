@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from src import callbacks as sweep
 from src.config_check import check_command_line
 from src.errors import UserError
+from src.memory import free_earlier_runs
 from src.report import evaluated_on
 from src.run import pass_on_signal, train
 
@@ -31,6 +32,9 @@ log = logging.getLogger("train")
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    if torch.cuda.is_initialized():  # a sweep's earlier job, in this process: the blocks the allocator kept for it
+        free_earlier_runs()
+        torch.cuda.empty_cache()  # so this job's reserved memory and fragmentation are its own
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)

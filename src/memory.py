@@ -599,11 +599,10 @@ class PeakMemory:
 def free_earlier_runs() -> None:
     """A sweep's jobs run one after another in one process, and the job before this one leaves its tensors (model,
     optimizer state, the activations of a step that failed) in reference cycles until Python's cycle collector
-    next runs; on CUDA the allocator also keeps their blocks reserved. Free them both before a run starts, so
-    that its peaks, its reserved memory and its room on the card are its own."""
+    next runs: collect them before a run starts, so that its peaks and its room on the card are its own. On CUDA
+    the allocator keeps their blocks reserved; the entry points give them back once per job (train.py before
+    each Hydra job, the experiment scripts before each configuration), never inside a run."""
     gc.collect()
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 def reset_peak_rss() -> None:

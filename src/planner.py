@@ -237,7 +237,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     ``max_memory_allocated`` and ``max_memory_reserved`` during the step; on the CPU also ``at_start``, the bytes
     the step starts from (parameters and optimizer state). memory=fsdp: this rank's, inside the process group of
     ``world``."""
-    free_earlier_runs()  # the steps measured before this one, in this process: their tensors and cached blocks
+    free_earlier_runs()  # the steps measured before this one, in this process (their cached CUDA blocks: the caller's)
     torch.manual_seed(0)
     model = Transformer(args).to(device)
     net = LossModule(model, args.pad_id, label_smoothing, strategy.loss_chunk)

@@ -75,6 +75,8 @@ def fixed_batch(corpus, n: int = 128, seed: int = 0) -> list[int]:
 
 def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared, split, idx, device) -> dict:
     free_earlier_runs()  # the configurations before this one, in this process: their tensors and cached blocks
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     args = ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=PAD, share_vocab=shared, **base_args())
     model = Transformer(args).to(device)
