@@ -89,8 +89,8 @@ def run_decoding(ckpt: dict, args: argparse.Namespace) -> dict:
     config = ckpt.get("config") or {}
     run = config.get("trainer") or {}
     defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
-    decoding = {key: next(v for v in (getattr(args, key), run.get("eval_" + key if key == "batch_size" else key),
-                                      default) if v is not None)
+    in_run = {"batch_size": "eval_batch_size"}  # the run's key where its name differs
+    decoding = {key: next(v for v in (getattr(args, key), run.get(in_run.get(key, key)), default) if v is not None)
                 for key, default in defaults.items()}
     # the strategy the run trained and evaluated with: memory=auto's choice (amp, say) is not in its config
     strategy = ckpt.get("strategy") or {"amp": (config.get("memory") or {}).get("amp")}

@@ -18,7 +18,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError, check_int, check_number
 from ..fileio import atomic_path
 from .synthetic import LengthDistribution, generate_corpus
 
@@ -55,8 +55,6 @@ class Corpus:
 def check_data(data: dict) -> None:
     """The data group's settings, before anything is read or generated: sizes and lengths of the synthetic
     corpus, and where Multi30k comes from (the files' own problems are found as they are read)."""
-    from ..errors import ConfigError, check_int, check_number
-
     for key in ("src_lang", "tgt_lang"):
         if not isinstance(data.get(key), str):
             raise ConfigError(f"data.{key}={data.get(key)}: expected a language code, e.g. de")
