@@ -40,9 +40,9 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .model import ModelArgs, Transformer
     from .tokenizers import load_codecs
 
-    paths = [checkpoint_file(Path(p)) for p in ([path] if isinstance(path, str | Path) else path)]
+    paths = [checkpoint_file(Path(p).expanduser()) for p in ([path] if isinstance(path, str | Path) else path)]
     ckpt = averaged_checkpoint(paths, torch.device("cpu"))  # the optimizer's state too: not onto the device
-    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else paths[0].parent.parent / "tokenizer"
+    tokenizer_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
         raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
     src_codec, tgt_codec = load_codecs(tokenizer_dir)

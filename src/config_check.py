@@ -42,6 +42,11 @@ def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as e:
+        home = next((o for o in overrides if "=~" in o), None)  # the shell leaves the ~ of key=~/path as typed
+        if home is not None:
+            key, value = home.split("=", 1)
+            raise ConfigError(f"{home}: a bare ~ is not allowed in an override; write {key}=$HOME{value[1:]} "
+                              f"or quote it: '{key}=\"{value}\"'") from None
         raise ConfigError(str(e).splitlines()[0] + " (overrides are key=value)") from None
     if not multirun:
         if any(o.is_sweep_override() for o in parsed):

@@ -529,7 +529,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
                  ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
     """The corpus, its encoding (cached), the training split after truncation, and what was done to it. Under
     torchrun each machine's first rank downloads and tokenizes, and the others load its cache."""
-    cache_dir = Path(conf["paths"]["cache_dir"])
+    cache_dir = Path(conf["paths"]["cache_dir"]).expanduser()
     with (world or World()).local_main_first():
         corpus = load_corpus(conf["data"], cache_dir, download_ok)
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)

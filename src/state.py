@@ -110,7 +110,7 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
     if resume == "auto" and (own := newest_readable(ckpt_dir)) is not None:
         return own
     if ckpt_path:
-        path = Path(ckpt_path)
+        path = Path(ckpt_path).expanduser()
         if not path.is_file():
             raise ConfigError(f"ckpt_path={ckpt_path}: no such file")
         try:

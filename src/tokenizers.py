@@ -12,6 +12,7 @@ Special ids follow fairseq and XLM-R: ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -250,7 +251,7 @@ class HFCodec(Codec):
         from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
 
         try:
-            self.tok = AutoTokenizer.from_pretrained(name_or_path)
+            self.tok = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))  # a hub name has no ~
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(

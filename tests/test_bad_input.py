@@ -30,6 +30,8 @@ COMMAND_LINE = [
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
+    ("a path starting with an unquoted ~", ["data=multi30k", "data.root=~/multi30k"],
+     "data.root=~/multi30k: a bare ~ is not allowed in an override; write data.root=$HOME/multi30k or quote it"),
     ("two mistyped keys", ["model.dmodel=5", "model.nhead=2"],
      "model.dmodel: no such key; did you mean model.d_model?"),
     ("a key under a key that has none", ["trainer.foo.bar=1"], "trainer.foo: no such key; trainer has device, "),

@@ -559,3 +559,41 @@ def test_files_put_end_to_end_and_utf16_files(tmp_path):
     utf16.write_bytes("eins\nzwei\n".encode("utf-16-le"))
     with pytest.raises(DataError, match=r"utf16.de: looks like UTF-16, not UTF-8; convert the file to UTF-8"):
         corpus_mod.read_lines(utf16)
+
+
+def test_path_settings_may_start_with_a_tilde(tmp_path, monkeypatch, xlmr_dir):
+    """``'data.root="~/multi30k"'`` (Hydra's grammar wants the ~ quoted), a config file's ``root: ~/multi30k`` or
+    ``MT_CACHE_DIR=~/cache`` reach the run with the ``~`` as written: every path setting expands it as the shell
+    would have, instead of looking for a folder named ``~``. Unquoted, the override is refused saying so."""
+    from omegaconf import OmegaConf
+
+    from src.memory import MemoryStrategy
+    from src.run import prepare_data
+    from src.state import find_resume
+    from src.tokenizers import HFCodec
+
+    from .conftest import compose_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            write(tmp_path / "corpus" / f"{split}.{lang}", [f"{split} {lang} satz {i}" for i in range(6)])
+    (tmp_path / "tok").symlink_to(xlmr_dir)
+    cfg = compose_config("data=files", "data.src_lang=de", "data.tgt_lang=en", "tokenizer=xlmr",
+                         'tokenizer.name_or_path="~/tok"', *(f'data.{s}_prefix="~/corpus/{s}"' for s in ("train", "valid", "test")),
+                         run_dir=tmp_path / "run", cache_dir='"~/cache"')
+    corpus, encoded, _, _ = prepare_data(OmegaConf.to_container(cfg, resolve=True), MemoryStrategy())
+    assert corpus.splits["test"].src[5] == "test de satz 5" and len(encoded.src_codec) == len(HFCodec(str(xlmr_dir)))
+    assert len(list((tmp_path / "cache").glob("encoded-*.pt"))) == 1 and not (tmp_path / "~").exists()
+
+    (tmp_path / "m").mkdir()
+    make_multi30k(tmp_path / "m")
+    assert load_multi30k("de", "en", "~/m", tmp_path / "c").splits["valid"].tgt[3] == "val en satz 3"
+    torch.save({"progress": {"step": 3}}, tmp_path / "last.pt")
+    assert find_resume("~/last.pt", None, tmp_path / "run")[1]["progress"]["step"] == 3
+
+    from src.config_check import check_command_line
+    with pytest.raises(ConfigError, match=r"data.root=~/m: a bare ~ .* write data.root=\$HOME/m or quote it"):
+        check_command_line(["data=multi30k", "data.root=~/m"])

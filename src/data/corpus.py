@@ -151,7 +151,7 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
 
 def find_text_file(prefix: str | Path, lang: str) -> Path:
     """``{prefix}.{lang}``, or its gzip-compressed ``{prefix}.{lang}.gz``."""
-    plain = Path(f"{prefix}.{lang}")
+    plain = Path(f"{prefix}.{lang}").expanduser()
     for candidate in (plain, Path(f"{plain}.gz")):
         if candidate.is_file():
             return candidate
@@ -243,7 +243,7 @@ class _Corrupt(Exception):
 
 def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:
     if root is not None:  # a local copy: use it as is (plain or gzip-compressed)
-        root = Path(root)
+        root = Path(root).expanduser()
         if not root.is_dir():
             raise DataError(f"data.root={root}: no such directory; it should hold the Multi30k raw files")
         for candidate in (root / filename, root / filename.removesuffix(".gz")):

@@ -116,7 +116,7 @@ def tokenizer_files_digest(tokenizer: dict) -> str | None:
     """The contents of a tokenizer given as a local directory (``tokenizer.name_or_path`` of xlmr): the same path
     holding another tokenizer must not load the ids the earlier one made. None for a hub name, which its name and
     the packages' versions key."""
-    path = Path(tokenizer.get("name_or_path") or "")
+    path = Path(tokenizer.get("name_or_path") or "").expanduser()
     if tokenizer.get("name") != "xlmr" or not path.is_dir():
         return None
     h = hashlib.sha256()
