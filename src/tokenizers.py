@@ -250,14 +250,17 @@ class HFCodec(Codec):
     def __init__(self, name_or_path: str):
         from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
 
+        check_tokenizer_path(name_or_path)
         try:
             self.tok = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))  # a hub name has no ~
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(
-                f"tokenizer.name_or_path={name_or_path}: cannot load a tokenizer ({first}); without network, "
-                "point it at a local directory written by save_pretrained"
-            ) from None
+            if Path(name_or_path).expanduser().is_dir():
+                what = "give a directory written by save_pretrained"
+            else:
+                offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (and HF_HUB_OFFLINE=1: the hub is not retried)"
+                what = f"without network, point it at a local directory written by save_pretrained{offline}"
+            raise ConfigError(f"tokenizer.name_or_path={name_or_path}: cannot load a tokenizer ({first}); {what}") from None
         self.name_or_path = name_or_path
         t = self.tok
         self.bos_id, self.pad_id, self.eos_id, self.unk_id = (
@@ -354,8 +357,17 @@ def check_tokenizer(spec: dict) -> None:
         if not isinstance(spec.get("name_or_path"), str) or not spec["name_or_path"]:
             raise ConfigError(f"tokenizer.name_or_path={spec.get('name_or_path')}: expected a hub name or a "
                               "directory written by save_pretrained")
+        check_tokenizer_path(spec["name_or_path"])
     else:
         raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
+
+
+def check_tokenizer_path(name_or_path: str) -> None:
+    """A name written as a path (``/``, ``.`` or ``~`` first) must be a directory; anything else is a hub name."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path.startswith(("/", ".", "~")) and not path.is_dir():
+        raise ConfigError(f"tokenizer.name_or_path={name_or_path}: {'not a' if path.exists() else 'no such'} "
+                          "directory; give a directory written by save_pretrained, or a hub name")
 
 
 def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):

@@ -93,9 +93,12 @@ RUN = [
     ("a download address that is a folder", ["data=multi30k", "data.url=/data/multi30k"],
      "data.url=/data/multi30k: expected an http://, https:// or file:// address; a folder of the raw files is "
      "data.root"),
+    ("an XLM-R tokenizer folder that does not exist", ["tokenizer=xlmr", "tokenizer.name_or_path=/nonexistent/xlmr"],
+     "tokenizer.name_or_path=/nonexistent/xlmr: no such directory; give a directory written by save_pretrained, or a "
+     "hub name"),
 ]
 CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null", "an empty Multi30k folder setting",
-                             "a download address that is a folder"}  # before the data, as the trainer's are
+                             "a download address that is a folder", "an XLM-R tokenizer folder that does not exist"}  # before the data, as the trainer's are
 FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),
     ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),

@@ -11,6 +11,7 @@ from src.errors import ConfigError
 from src.tokenizers import SPECIALS, HFCodec, SpacyCodec, build_codecs, codec_from_state, load_codecs, save_codecs
 
 from .conftest import multi30k_root
+from .helpers import run_cli
 
 TEXT = [
     "Ein Mann (mit Hut) sagt: „Hallo!“",
@@ -116,9 +117,21 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
 
 
 def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):
-    with pytest.raises(ConfigError) as e:
-        HFCodec(str(tmp_path / "no-such-tokenizer"))
-    assert "tokenizer.name_or_path=" in str(e.value) and "\n" not in str(e.value)
+    """A path that is not a directory is said to be one before the hub is asked (which reads "/x/tok" as a
+    malformed repository id); a directory without a tokenizer, and a hub name offline, each in one line."""
+    (tmp_path / "file").write_text("")
+    for name, says in ((tmp_path / "no-such-tokenizer", "no such directory; give a directory written by save_pretrained"),
+                       (tmp_path / "file", "not a directory"),
+                       (tmp_path, "cannot load a tokenizer (")):
+        with pytest.raises(ConfigError) as e:
+            HFCodec(str(name))
+        assert str(e.value).startswith(f"tokenizer.name_or_path={name}: {says}") and "\n" not in str(e.value)
+    assert str(e.value).endswith("give a directory written by save_pretrained")  # not the hub's advice
+    hub = run_cli("-c", "from src.tokenizers import HFCodec; HFCodec('nobody/no-such-tokenizer')",
+                  env_extra={"HF_HUB_OFFLINE": "1"})
+    assert hub.stderr.strip().splitlines()[-1].endswith(
+        "cannot load a tokenizer (We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
+        "them in the cached files.); without network, point it at a local directory written by save_pretrained")
 
 
 def test_unknown_spacy_pipeline_says_how_to_fix():
