@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import callbacks as sweep
-from src.config_check import check_command_line
+from src.config_check import check_command_line, check_launcher
 from src.errors import UserError
 from src.memory import free_earlier_runs
 from src.report import evaluated_on
@@ -85,6 +85,7 @@ def quiet_rank(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     try:
         check_command_line(sys.argv[1:])  # a mistyped key, option or value: one line, before anything runs
+        check_launcher(sys.argv[1:])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

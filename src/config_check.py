@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
+import shutil
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,10 +29,22 @@ def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` for the first problem in ``train.py``'s overrides (each job's, with ``-m``)."""
     if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
         return  # Hydra's own commands: leave them to Hydra
-    multirun = any(a in ("-m", "--multirun") for a in argv)
+    multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     for job in _jobs(overrides, multirun):
         check_overrides(job)
+
+
+def _multirun(argv: list[str]) -> bool:
+    return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
+
+
+def check_launcher(argv: list[str]) -> None:
+    """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback."""
+    launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
+    if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
+        raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "
+                          "machine: run the command on the cluster, or leave the launcher out to run the jobs here")
 
 
 def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:

@@ -9,6 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from src.config_check import check_launcher
+from src.errors import ConfigError
 from src.run import pass_on_signal, resume_setting, stop_on_signals
 
 from .conftest import CONF, FAST
@@ -42,6 +44,19 @@ def test_train_py_composes_the_slurm_launcher_on_the_command_line():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # the plugin's own preset composes too
         cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+
+
+def test_a_slurm_sweep_off_the_cluster_is_one_line(tmp_path, monkeypatch):
+    """Submitit's own error off a cluster is a traceback (RuntimeError: Could not detect "srun")."""
+    sweep = ["-m", "hydra/launcher=slurm", "memory=none,amp"]
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun
+    with pytest.raises(ConfigError, match=r"^hydra/launcher=slurm submits the sweep's jobs to SLURM, whose srun is "
+                                          "not on this machine: run the command on the cluster"):
+        check_launcher(sweep)
+    check_launcher(["hydra/launcher=slurm", "memory=amp"])  # without -m, Hydra uses no launcher
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    check_launcher(sweep)
 
 
 def test_submitits_signal_waits_for_the_checkpoint_then_reaches_submitit():
