@@ -41,6 +41,8 @@ def _multirun(argv: list[str]) -> bool:
 
 def check_launcher(argv: list[str]) -> None:
     """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback."""
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        return  # --cfg and the like print and launch nothing
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
         raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "

@@ -54,6 +54,7 @@ def test_a_slurm_sweep_off_the_cluster_is_one_line(tmp_path, monkeypatch):
                                           "not on this machine: run the command on the cluster"):
         check_launcher(sweep)
     check_launcher(["hydra/launcher=slurm", "memory=amp"])  # without -m, Hydra uses no launcher
+    check_launcher([*sweep, "--cfg", "hydra"])  # prints the config, launches nothing
     (tmp_path / "srun").write_text("#!/bin/sh\n")
     (tmp_path / "srun").chmod(0o755)
     check_launcher(sweep)
