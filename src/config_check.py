@@ -27,12 +27,16 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 
 def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` for the first problem in ``train.py``'s overrides (each job's, with ``-m``)."""
-    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+    if _hydra_command(argv):
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     for job in _jobs(overrides, multirun):
         check_overrides(job)
+
+
+def _hydra_command(argv: list[str]) -> bool:
+    return any(a.split("=")[0] in HYDRA_FLAGS for a in argv)
 
 
 def _multirun(argv: list[str]) -> bool:
@@ -41,7 +45,7 @@ def _multirun(argv: list[str]) -> bool:
 
 def check_launcher(argv: list[str]) -> None:
     """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback."""
-    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+    if _hydra_command(argv):
         return  # --cfg and the like print and launch nothing
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
