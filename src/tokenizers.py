@@ -250,12 +250,12 @@ class HFCodec(Codec):
     def __init__(self, name_or_path: str):
         from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
 
-        check_tokenizer_path(name_or_path)
+        local = check_tokenizer_path(name_or_path)
         try:
-            self.tok = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))  # a hub name has no ~
+            self.tok = AutoTokenizer.from_pretrained(str(local) if local else name_or_path)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if Path(name_or_path).expanduser().is_dir():
+            if local:
                 what = "give a directory written by save_pretrained"
             else:
                 offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (and HF_HUB_OFFLINE=1: the hub is not retried)"
@@ -362,12 +362,16 @@ def check_tokenizer(spec: dict) -> None:
         raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
 
 
-def check_tokenizer_path(name_or_path: str) -> None:
-    """A name written as a path (``/``, ``.`` or ``~`` first) must be a directory; anything else is a hub name."""
+def check_tokenizer_path(name_or_path: str) -> Path | None:
+    """The local directory ``name_or_path`` names (``~`` expanded), or None for a hub name. A name written as a
+    path (``/``, ``.`` or ``~`` first) must be a directory."""
     path = Path(name_or_path).expanduser()
-    if name_or_path.startswith(("/", ".", "~")) and not path.is_dir():
+    if path.is_dir():
+        return path
+    if name_or_path.startswith(("/", ".", "~")):
         raise ConfigError(f"tokenizer.name_or_path={name_or_path}: {'not a' if path.exists() else 'no such'} "
                           "directory; give a directory written by save_pretrained, or a hub name")
+    return None
 
 
 def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):
