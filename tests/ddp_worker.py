@@ -1,13 +1,13 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): data-parallel steps of the project's Trainer.
 
-    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR ACCUM_STEPS [agree]
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR CASE [CASE ...]    (CASE: ACCUM_STEPS or ACCUM_STEPS:agree)
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR main-first
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
 calls in each step, the number of buffer broadcasts in all steps, and its out-of-memory back-offs and gradient
-averagings to OUT_DIR/rank<r>.pt. With ``agree`` (Trainer.agree_on_oom, as memory.oom_retries sets under torchrun),
+averagings to OUT_DIR/rank<r>_<case>.pt. With ``agree`` (Trainer.agree_on_oom, as memory.oom_retries sets under torchrun),
 rank 1 runs out of memory in step 1, and every rank redoes the step with twice the micro-batches, as src/run.py
 does.
 """
@@ -31,54 +31,59 @@ from tests.helpers import BOS, EOS, PAD, make_split, model_and_trainer  # noqa: 
 ORDER = [[0, 1, 2, 3], [4, 5, 6, 7], [0, 2, 4, 6]]  # the epoch's batches: two steps on two ranks
 
 
-def main(out: Path, accum: int, agree: bool = False) -> None:
+def main(out: Path, cases: list[str]) -> None:
+    """Each case (``ACCUM`` or ``ACCUM:agree``) from the same start, one after the other in one process group:
+    one launch instead of one per case (each launch imports torch twice, seconds on 2 cores)."""
     import src.trainer
 
     world = world_from_env()
+    counts = {"averagings": 0, "broadcasts": 0}
+    average, broadcast = src.trainer.average_gradients, dist._broadcast_coalesced
+
+    def counting_average(*args, **kwargs):
+        counts["averagings"] += 1
+        return average(*args, **kwargs)
+
+    def counting_broadcast(*args, **kwargs):  # DDP broadcasts the module's buffers before a forward when asked to
+        counts["broadcasts"] += 1
+        return broadcast(*args, **kwargs)
+
+    src.trainer.average_gradients, dist._broadcast_coalesced = counting_average, counting_broadcast
+    with process_group(world, torch.device("cpu")):
+        for case in cases:
+            accum, _, agree = case.partition(":")
+            result = run_case(world, int(accum), agree == "agree", counts)
+            torch.save({**result, "buffer_broadcasts": counts["broadcasts"], "averagings": counts["averagings"]},
+                       out / f"rank{world.rank}_{case.replace(':', '_')}.pt")
+
+
+def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
     split = make_split()
     sizes = pair_sizes(split)
-    with process_group(world, torch.device("cpu")):
-        model, trainer = model_and_trainer(MemoryStrategy(accum_steps=accum), world=world)
-        trainer.agree_on_oom = agree
-        averagings = backoffs = 0
+    model, trainer = model_and_trainer(MemoryStrategy(accum_steps=accum), world=world)
+    counts.update(averagings=0, broadcasts=0)  # counted from the first step: wrapping in DDP broadcasts rank 0's state
+    trainer.agree_on_oom = agree
+    calls: list[int] = []
 
-        def counting_average(*args, **kwargs):
-            nonlocal averagings
-            averagings += 1
-            return average(*args, **kwargs)
+    def counting_hook(state, bucket):
+        calls[-1] += 1
+        return allreduce_hook(None, bucket)
 
-        average, src.trainer.average_gradients = src.trainer.average_gradients, counting_average
-        calls: list[int] = []
-
-        def counting_hook(state, bucket):
-            calls[-1] += 1
-            return allreduce_hook(None, bucket)
-
-        trainer.net.register_comm_hook(None, counting_hook)
-        broadcasts = 0  # DDP broadcasts the module's buffers from rank 0 before a forward pass when asked to
-
-        def counting_broadcast(*args, **kwargs):
-            nonlocal broadcasts
-            broadcasts += 1
-            return broadcast(*args, **kwargs)
-
-        broadcast, dist._broadcast_coalesced = dist._broadcast_coalesced, counting_broadcast
-        parts = accum
-        for step, (indices, real, group) in enumerate(shard_steps(ORDER, world), 1):
-            calls.append(0)
-            step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
-            if agree and step == 1 and world.rank == 1:
-                trainer.inject_oom = "CUDA out of memory (injected on rank 1)"
-            while True:
-                try:
-                    trainer.step(micro_batches(split, indices, sizes, parts, PAD, BOS, EOS), step_tokens, real)
-                    break
-                except torch.OutOfMemoryError:
-                    model.zero_grad(set_to_none=True)
-                    backoffs, parts = backoffs + 1, parts * 2
-        torch.save({"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls,
-                    "buffer_broadcasts": broadcasts, "backoffs": backoffs, "averagings": averagings},
-                   out / f"rank{world.rank}.pt")
+    trainer.net.register_comm_hook(None, counting_hook)
+    backoffs, parts = 0, accum
+    for step, (indices, real, group) in enumerate(shard_steps(ORDER, world), 1):
+        calls.append(0)
+        step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
+        if agree and step == 1 and world.rank == 1:
+            trainer.inject_oom = "CUDA out of memory (injected on rank 1)"
+        while True:
+            try:
+                trainer.step(micro_batches(split, indices, sizes, parts, PAD, BOS, EOS), step_tokens, real)
+                break
+            except torch.OutOfMemoryError:
+                model.zero_grad(set_to_none=True)
+                backoffs, parts = backoffs + 1, parts * 2
+    return {"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls, "backoffs": backoffs}
 
 
 def fsdp_peak(out: Path) -> None:
@@ -131,5 +136,5 @@ if __name__ == "__main__":
     elif sys.argv[2] == "main-first":
         main_first(Path(sys.argv[1]))
     else:
-        main(Path(sys.argv[1]), int(sys.argv[2]), agree=sys.argv[3:] == ["agree"])
+        main(Path(sys.argv[1]), sys.argv[2:])
     exit_without_interpreter_shutdown()

@@ -48,13 +48,25 @@ def test_each_example_counts_once_per_epoch_across_the_ranks():
         assert sorted(seen) == list(range(9))
 
 
+DDP_CASES = {"accum1": (1, False), "accum4": (4, False), "oom-agree": (2, True)}
+
+
+@pytest.fixture(scope="module")
+def ddp_steps(tmp_path_factory) -> Path:
+    """The cases below, run one after the other in one torchrun launch."""
+    out = tmp_path_factory.mktemp("ddp_steps")
+    cases = [f"{accum}:agree" if agree else str(accum) for accum, agree in DDP_CASES.values()]
+    proc = torchrun("tests/ddp_worker.py", str(out), *cases)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("accum,agree", [(1, False), (4, False), (2, True)], ids=["accum1", "accum4", "oom-agree"])
-def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_path, accum, agree):
+@pytest.mark.parametrize("case", list(DDP_CASES))
+def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(ddp_steps, case):
     """Also when the ranks agree on out-of-memory errors (memory.oom_retries under torchrun) and rank 1 runs out
     in step 1: both redo it with twice the micro-batches, and their gradients are averaged after backward."""
-    proc = torchrun("tests/ddp_worker.py", str(tmp_path), str(accum), *(["agree"] if agree else []))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    accum, agree = DDP_CASES[case]
     # One process, plain SGD (update = lr x gradient, so equal parameters mean equal gradients), each step's
     # batches on both ranks accumulated: step 1 = batches 0 and 1, step 2 = batch 2 (rank 1's dummy adds nothing).
     split = make_split()
@@ -64,7 +76,7 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(tmp_p
         trainer.step(micro_batches(split, indices, pair_sizes(split), len(group) * accum, PAD, BOS, EOS))
     reference = torch.cat([p.detach().flatten() for p in model.parameters()])
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        got = torch.load(ddp_steps / f"rank{rank}_{accum}{'_agree' if agree else ''}.pt", weights_only=True)
         params = torch.cat([p.flatten() for p in got["params"]])
         assert ((params - reference).norm() / reference.norm()).item() < 1e-5
         if agree:  # no synchronization in backward; one averaging per optimizer step, after the step's backward
