@@ -102,45 +102,37 @@ def first_batches_tokens(run: Path, n: int) -> tuple[int, int]:
 
 
 @pytest.mark.slow
-def test_torchrun_train_py_writes_one_run_from_rank_0(tmp_path, shared_cache):
+def test_torchrun_train_py_writes_one_run_from_rank_0_and_out_of_memory_on_one_rank_backs_off_on_both(
+        tmp_path, shared_cache):
+    """Rank 0 alone writes the run, counting both ranks' tokens. With memory.oom_retries set under torchrun, rank 1
+    alone runs out of memory in step 2; both ranks redo the step with twice the accumulation and the run
+    completes, as many tokens trained as without the error."""
     run = tmp_path / "run"
     proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
-                    "memory=accum", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}",
-                    "trainer.peak_tflops=0.5", cwd=tmp_path)
+                    "memory=accum", "memory.oom_retries=2", "fault.kind=oom", "fault.at_step=2", "fault.rank=1",
+                    "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}", "trainer.peak_tflops=0.5",
+                    cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
     assert summary["test_bleu"] is not None and (run / "checkpoints" / "best.pt").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # one row per logged window, from rank 0 only
-    # The tokens of both ranks' batches: 2 ranks x 4 steps x 16 pairs of the 200-pair split, the epoch's first
-    # eight batches (rank 0's alone would be about half)
-    src_tokens, _ = first_batches_tokens(run, 8)
-    assert sum(r["src_tokens"] for r in rows if "loss" in r) == src_tokens
+    # The tokens of both ranks' batches, each trained once: 2 ranks x 4 steps x 16 pairs of the 200-pair split,
+    # the epoch's first eight batches (rank 0's alone would be about half)
+    assert (summary["src_tokens"], summary["tgt_tokens"]) == first_batches_tokens(run, 8)
+    assert sum(r["src_tokens"] for r in rows if "loss" in r) == summary["src_tokens"]
     # MFU: the model FLOP/s of both ranks against the peak of two devices
     assert all(r["mfu"] == pytest.approx(r["model_tflops"] / (0.5 * 2)) for r in rows if "loss" in r)
     assert summary["mfu"] == pytest.approx(summary["model_tflops"] / (0.5 * 2), rel=1e-3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray files from rank 1
-
-
-@pytest.mark.slow
-def test_out_of_memory_on_one_rank_backs_off_on_both(tmp_path, shared_cache):
-    """memory.oom_retries set under torchrun: rank 1 alone runs out of memory in step 2; both ranks redo the step
-    with twice the accumulation and the run completes, as many tokens trained as without the error."""
-    common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "trainer.eval_every=3",
-              "memory=accum", "memory.oom_retries=2", "logger=none", f"paths.cache_dir={shared_cache}"]
-    run = tmp_path / "oom"
-    proc = torchrun(*common, "fault.kind=oom", "fault.at_step=2", "fault.rank=1", f"hydra.run.dir={run}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    oom = json.loads((run / "summary.json").read_text())
-    assert oom["status"] == "completed" and oom["steps"] == 3 and oom["final_accum_steps"] == 8
-    assert [(b["step"], b["accum_steps"]) for b in oom["oom_backoffs"]] == [(2, 8)]
-    assert oom["oom_backoffs"][0]["error"].startswith("out of memory on another rank")  # rank 0's record
-    # the tokens of the epoch's first 2 ranks x 3 steps batches, each trained once
-    assert (oom["src_tokens"], oom["tgt_tokens"]) == first_batches_tokens(run, 6)
+    # the out-of-memory error on rank 1, as rank 0 recorded it
+    assert summary["final_accum_steps"] == 8
+    assert [(b["step"], b["accum_steps"]) for b in summary["oom_backoffs"]] == [(2, 8)]
+    assert summary["oom_backoffs"][0]["error"].startswith("out of memory on another rank")
     from src.memory import CATEGORIES  # the gradients averaged after backward are gradients, not a seventh kind
 
-    assert set(oom["peak_memory_split_mb"]) == set(CATEGORIES)
+    assert set(summary["peak_memory_split_mb"]) == set(CATEGORIES)
 
 
 def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_cache):
