@@ -79,7 +79,8 @@ def greedy_decode(
         if not bool(running.all()):
             if not bool(running.any()):
                 break
-            active, memory, src_mask, next_tok = active[running], memory[running], src_mask[running], next_tok[running]
+            # memory is not selected: the first step cached its keys and values (reorder_cache selects them)
+            active, src_mask, next_tok = active[running], src_mask[running], next_tok[running]
             limit = limit[running]
             model.reorder_cache(caches, running, running)
         tokens = next_tok.unsqueeze(1)
@@ -161,7 +162,7 @@ def beam_search(
             keep = torch.tensor(still_open, device=device)
             sent = [s for s, o in zip(sent, still_open) if o]
             scores, parent, token = scores[keep], parent[keep], token[keep]
-            memory, src_mask = memory[keep], src_mask[keep]
+            src_mask = src_mask[keep]  # memory's keys and values are cached: reorder_cache selects them
         rows = parent.view(-1)
         history = torch.cat([history[rows], token.view(-1, 1)], dim=1)
         model.reorder_cache(caches, rows, keep)

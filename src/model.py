@@ -178,7 +178,8 @@ class DecoderLayer(nn.Module):
 
     def step(self, y: Tensor, memory: Tensor, src_mask: Tensor, cache: dict, beams: int = 1) -> Tensor:
         """One new target position ``y`` (B * beams, 1, D), reusing the cached keys and values; ``memory`` and
-        ``src_mask`` hold one row per sentence, whose ``beams`` hypotheses are consecutive rows of ``y``."""
+        ``src_mask`` hold one row per sentence, whose ``beams`` hypotheses are consecutive rows of ``y``. ``memory``
+        is read on the first step only, which caches its keys and values: later steps may pass it unselected."""
 
         def self_attn(h: Tensor) -> Tensor:
             attn = self.self_attn
