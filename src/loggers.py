@@ -2,8 +2,9 @@
 
 W&B, done the way its users expect: one run per job, grouped by sweep (the multirun directory, or ``sweep_name``),
 ``job_type=train``, named by the strategy label and the job's overrides, tagged from config, with the fully
-resolved config as plain data. ``define_metric`` makes the run summaries the best validation BLEU (max), the peak
-memory (max) and the throughput (mean); every row is logged at its optimizer step; sample translations are logged
+resolved config as plain data. ``define_metric`` makes the run summaries the best validation BLEU (max) and the
+peak memory (max); the run's other figures are summary.json's (tokens/s: all its tokens over all its training
+time, as the sweep report has it); every row is logged at its optimizer step; sample translations are logged
 as a table at each validation. The run is always finished, with a non-zero exit code and the reason in its summary
 when it failed (out-of-memory included), so a sweep's dashboard shows which runs broke and why. A run that resumes
 in its own directory (``trainer.resume=auto``, a requeued SLURM job) continues the same W&B run: its id is kept in
@@ -28,8 +29,10 @@ from .fileio import atomic_path
 
 log = logging.getLogger(__name__)
 
-# Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone.
-METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max", "tokens_per_s": "mean"}
+# Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone. Not
+# tokens_per_s: the mean of the windows' rates is not the run's rate (all its tokens over all its time), which
+# summary.json and the sweep report give and the final summary writes.
+METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max"}
 SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
 WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
 

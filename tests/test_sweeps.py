@@ -68,9 +68,13 @@ def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path, shared_cache):
         speeds = [r["tokens_per_s"] for r in train_rows]
         assert w["summary"]["valid_bleu"] == {"max": pytest.approx(max(bleus))}
         assert w["summary"]["peak_memory_mb"] == {"max": pytest.approx(max(r["peak_memory_mb"] for r in train_rows))}
-        assert w["summary"]["tokens_per_s"]["mean"] == pytest.approx(statistics.mean(speeds), rel=1e-6)
-        assert {m: w["metrics"][m].summary.max or w["metrics"][m].summary.mean for m in w["metrics"]} == {
-            "valid_bleu": True, "peak_memory_mb": True, "tokens_per_s": True}
+        assert {m: w["metrics"][m].summary.max for m in w["metrics"]} == {"valid_bleu": True, "peak_memory_mb": True}
+        # the run's rate, as summary.json and the report have it: all its tokens over all its training time (the
+        # mean of the windows' rates, which W&B would derive, is another figure)
+        assert w["summary"]["tokens_per_s"] == summary["tokens_per_s"] != pytest.approx(statistics.mean(speeds))
+        assert summary["tokens_per_s"] == pytest.approx(
+            sum(r["src_tokens"] + r["tgt_tokens"] for r in train_rows) / sum(r["window_s"] for r in train_rows),
+            rel=1e-3)
         assert w["summary"]["test_bleu"] == pytest.approx(summary["test_bleu"])
         assert w["summary"]["status"] == "completed" and w["exit_code"] == 0
 
