@@ -75,8 +75,8 @@ from .state import (
     drop_later_checkpoints,
     find_resume,
     prune,
+    restore_rng_state,
     rng_state,
-    set_rng_state,
     step_checkpoints,
 )
 from .tokenizers import check_tokenizer, save_codecs
@@ -728,8 +728,9 @@ class TrainingRun:
         self.p = p = Progress.from_checkpoint(ckpt)
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)
-        ranks = ckpt.get("rng_ranks")  # data-parallel runs keep each rank's generators
-        set_rng_state(ranks[world.rank] if ranks and len(ranks) == world.size else ckpt["rng"])
+        if not restore_rng_state(ckpt, world.rank, self.conf["seed"]):
+            log.info("rank %d: the checkpoint was written by %d rank(s); this rank draws a new random stream",
+                     world.rank, len(ckpt.get("rng_ranks") or [0]))
         ckpt.clear()  # the model holds its copy now: the checkpoint's is not kept for the whole run
         self.info["resumed_from"] = {"path": str(path), "step": p.step}
         # Checkpoints written after this one, by an attempt that stopped: not this run's history, which may differ

@@ -71,6 +71,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
 
 
+def restore_rng_state(ckpt: dict, rank: int, seed: int) -> bool:
+    """Set this rank's random generators from a training checkpoint: those the rank saved, where the checkpoint
+    has a rank of that number (rank 0's are ``rng``; one process's checkpoint has no others). A rank the checkpoint
+    did not have (more ranks than wrote it) draws a stream of its own from (seed, step, rank): ranks that shared
+    one stream would draw the same dropout masks. Returns whether the rank continued a saved stream."""
+    saved = ckpt.get("rng_ranks") or [ckpt["rng"]]
+    if rank < len(saved):
+        set_rng_state(saved[rank])
+        return True
+    stream = random.Random(f"{seed}/{ckpt['progress']['step']}/{rank}").getrandbits(63)
+    random.seed(stream)
+    torch.manual_seed(stream)  # the CUDA generators too
+    return False
+
+
 def _as_tuples(x):
     """``random.setstate`` wants the nested tuples ``getstate`` gave (a checkpoint may hand back lists)."""
     return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -366,3 +366,37 @@ def test_random_states_of_more_gpus_than_are_visible_are_restored_for_those_visi
     set_rng_state(state)
     assert restored == state["cuda"][:2]
 
+
+
+def test_each_rank_resumes_its_own_random_stream_whatever_the_number_of_ranks():
+    """A rank continues the stream it saved; a rank the checkpoint did not have draws a new one of its own, from
+    (seed, step, rank). All ranks took rank 0's stream when the number of ranks changed, and drew the same dropout
+    masks."""
+    from src.state import restore_rng_state, rng_state
+
+    def saved(n: int) -> dict:
+        """A checkpoint written by ``n`` ranks (one process: ``rng`` alone), with each rank's stream."""
+        streams = []
+        for rank in range(n):
+            torch.manual_seed(100 + rank)
+            streams.append(rng_state())
+        return {"rng": streams[0], "rng_ranks": streams if n > 1 else None, "progress": {"step": 7}}
+
+    def draws(ckpt: dict, ranks: int, seed: int = 1) -> list[tuple]:
+        out = []
+        for rank in range(ranks):
+            continued = restore_rng_state(ckpt, rank, seed)
+            out.append((continued, tuple(torch.rand(3).tolist())))
+        return out
+
+    def stream(rank: int) -> tuple:
+        torch.manual_seed(100 + rank)
+        return tuple(torch.rand(3).tolist())
+
+    for written, resumed in ((1, 1), (2, 2), (2, 1), (1, 2), (2, 4)):
+        got = draws(saved(written), resumed)
+        assert [c for c, _ in got] == [rank < written for rank in range(resumed)], (written, resumed)
+        assert [d for c, d in got if c] == [stream(rank) for rank in range(min(written, resumed))]
+        assert len({d for _, d in got}) == resumed, (written, resumed)  # no two ranks draw the same numbers
+        assert got == draws(saved(written), resumed)  # and a new stream is the same on every resume
+    assert draws(saved(1), 2, seed=1)[1] != draws(saved(1), 2, seed=2)[1]
