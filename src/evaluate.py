@@ -8,6 +8,7 @@ corpus BLEU and chrF (default settings, 13a tokenization), whose signatures are 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -71,8 +72,9 @@ def greedy_decode(
     active = torch.arange(batch, device=src.device)  # rows of ``out`` still being decoded
     tokens = torch.full((batch, 1), bos_id, dtype=torch.long, device=src.device)
     length = 0
+    never = _never_generated(bos_id, eos_id, pad_id, src.device)
     for step in range(out.size(1)):
-        next_tok = model.decode_step(memory, src_mask, tokens, caches).argmax(dim=-1)
+        next_tok = model.decode_step(memory, src_mask, tokens, caches).index_fill_(-1, never, -math.inf).argmax(dim=-1)
         out[active, step] = next_tok
         length = step + 1
         running = (next_tok != eos_id) & (limit > length)
@@ -85,6 +87,12 @@ def greedy_decode(
             model.reorder_cache(caches, running, running)
         tokens = next_tok.unsqueeze(1)
     return out[:, :length]
+
+
+def _never_generated(bos_id: int, eos_id: int, pad_id: int, device: torch.device) -> Tensor:
+    """The ids a translation never holds: padding and ``<s>`` (fairseq forbids padding likewise). An untrained
+    model's argmax can be either, which the detokenizer drops, so the text scored was not the one searched."""
+    return torch.tensor(sorted({bos_id, pad_id} - {eos_id}), dtype=torch.long, device=device)
 
 
 def _limits(max_len: int | Sequence[int], batch: int) -> Tensor:
@@ -135,8 +143,10 @@ def beam_search(
     caches: list[dict] = [{} for _ in model.decoder]
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]  # (normalized score, ids)
     limit = _limits(max_len, batch).tolist()
+    never = _never_generated(bos_id, eos_id, pad_id, device)
     for step in range(max(limit)):
         logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches, k).float(), dim=-1)
+        logp.index_fill_(-1, never, -math.inf)  # after the softmax: the other tokens' scores are the model's
         vocab = logp.size(-1)
         candidates = (scores.view(-1, 1) + logp).view(len(sent), k * vocab)
         # 2k candidates: at most k of them end (one per hypothesis), so k that go on remain.

@@ -167,3 +167,25 @@ def test_an_odd_d_model_has_its_positions():
     m = Transformer(ModelArgs(src_vocab=20, tgt_vocab=20, pad_id=PAD, d_model=15, n_heads=3, d_ff=16,
                               encoder_layers=1, decoder_layers=1, dropout=0.0))
     assert m(SRC, SRC[:, :4]).shape == (3, 4, 20)
+
+
+def test_no_translation_holds_padding_or_the_start_token(monkeypatch):
+    """A model whose best next token is padding or <s> (an untrained one's can be) still writes only real tokens:
+    the detokenizer drops both, so the text scored would not be the one searched."""
+    torch.manual_seed(0)
+    m = Transformer(ModelArgs(src_vocab=12, tgt_vocab=12, pad_id=PAD, d_model=16, n_heads=2, d_ff=32,
+                              encoder_layers=1, decoder_layers=1, dropout=0.0)).eval()
+    step = m.decode_step
+
+    def preferring_specials(*args, **kwargs):
+        logits = step(*args, **kwargs).clone()
+        logits[:, PAD] += 100.0
+        logits[:, BOS] += 90.0
+        return logits
+
+    monkeypatch.setattr(m, "decode_step", preferring_specials)
+    src = torch.tensor([[5, 6, 7, EOS], [8, EOS, PAD, PAD]])
+    for hyp in (greedy_decode(m, src, BOS, EOS, PAD, 6), beam_search(m, src, BOS, EOS, PAD, 6, beam_size=3)[0]):
+        for row in hyp.tolist():
+            words = row[: row.index(EOS)] if EOS in row else row
+            assert PAD not in words and BOS not in words, row
