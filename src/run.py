@@ -472,6 +472,8 @@ def train(cfg: DictConfig) -> dict:
 
             if resumed is None:
                 clear_for_fresh_start(ckpt_dir, resume, world.main)
+            elif resumed[0].resolve().parent != ckpt_dir:  # ckpt_path: another run's; this directory starts afresh
+                clear_for_fresh_start(ckpt_dir, resume, world.main, start=f"{resumed[0]}")
             summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:

@@ -180,9 +180,10 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict) -> Non
                     "the one that run would have trained", path, ", ".join(differ))
 
 
-def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> None:
-    """A run that starts afresh must not share its checkpoint directory with an earlier run's step checkpoints:
-    pruning keeps the highest step numbers, and a later ``resume=auto`` would continue the earlier run. With
+def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start: str = "step 0") -> None:
+    """A run that starts afresh (from ``start``: step 0, or another run's checkpoint given as ckpt_path) must not
+    share its checkpoint directory with an earlier run's step checkpoints: pruning keeps the highest step numbers,
+    average_last averages the newest, and a later ``resume=auto`` would continue the earlier run. With
     ``resume=never`` (start over) they are removed, as are those left with ``resume=auto`` (the unreadable ones
     ``find_resume`` passed over); without a ``resume`` setting the run stops, naming them. The earlier run's
     ``best.pt``, ``summary.json`` and ``test.hyp.txt`` go with them: until this run's first validation, and for good
@@ -199,5 +200,5 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool) -> Non
         for path in [*stale, best, ckpt_dir.parent / "summary.json", ckpt_dir.parent / "test.hyp.txt"]:
             path.unlink(missing_ok=True)
         log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s and the earlier run's best.pt and summary; "
-                    "training starts from step 0", resume, len(stale), "unreadable " if resume == "auto" else "",
-                    ckpt_dir)
+                    "training starts from %s", resume, len(stale), "unreadable " if resume == "auto" else "",
+                    ckpt_dir, start)

@@ -325,6 +325,26 @@ def test_a_run_started_from_another_runs_checkpoint_resumes_from_its_own(fast_cf
     assert summary["steps"] == 6
 
 
+def test_a_run_started_from_another_runs_checkpoint_in_a_used_directory_starts_it_afresh(fast_cfg, tmp_path,
+                                                                                          shared_cache):
+    """ckpt_path into a directory that holds an earlier run's checkpoints: as a fresh start there, the run stops
+    naming them unless told trainer.resume=never, which removes them. They stayed, mixed with the new run's:
+    pruning and average_last took them for its own."""
+    other = fast_cfg("trainer.max_steps=4", "trainer.eval_every=4")
+    train(other)
+    start = Path(other.paths.output_dir) / "checkpoints" / "step_00000004.pt"
+    run = tmp_path / "used"
+    common = [*FAST, "trainer.eval_every=2", "trainer.save_every=2"]
+    train(compose_config(*common, "trainer.max_steps=2", run_dir=run, cache_dir=shared_cache))  # step_2, best.pt
+    with pytest.raises(ConfigError, match="holds an earlier run's checkpoints"):
+        train(compose_config(*common, "trainer.max_steps=6", f"ckpt_path={start}", run_dir=run,
+                             cache_dir=shared_cache))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "step_00000002.pt"]  # untouched
+    summary = train(compose_config(*common, "trainer.max_steps=6", f"ckpt_path={start}", "trainer.resume=never",
+                                   run_dir=run, cache_dir=shared_cache))
+    assert summary["resumed_from"] == {"path": str(start), "step": 4} and summary["best_step"] == 6
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "step_00000006.pt"]
+
 
 def test_a_best_checkpoint_written_after_the_resumed_one_is_not_the_runs(fast_cfg):
     """An attempt that died after writing best.pt at a later step than its newest step checkpoint: resumed (here
