@@ -28,7 +28,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from . import planner
-from .checkpoint import averaged_checkpoint, checkpoint_step, load_checkpoint, save_checkpoint
+from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
 from .data.corpus import (
     MULTI30K_URL,
@@ -77,6 +77,7 @@ from .state import (
     prune,
     restore_rng_state,
     rng_state,
+    stale_best,
     step_checkpoints,
 )
 from .tokenizers import check_tokenizer, save_codecs
@@ -737,9 +738,9 @@ class TrainingRun:
         self.info["resumed_from"] = {"path": str(path), "step": p.step}
         # Checkpoints written after this one, by an attempt that stopped: not this run's history, which may differ
         # (a shorter run, other settings), nor its test model (best.pt, or the newest for average_last)
-        later = best_path.is_file() and (checkpoint_step(best_path) or 0) > p.step
+        later = stale_best(best_path, p.step)
         if world.main and (removed := drop_later_checkpoints(ckpt_dir, p.step)):
-            log.warning("removed %s: written after step %d by an attempt that stopped", ", ".join(
+            log.warning("removed %s: written after step %d by an attempt that stopped, or unreadable", ", ".join(
                 path.name for path in removed), p.step)
         if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)

@@ -106,11 +106,21 @@ def drop_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
     resume=auto takes the newest, so they would pass for this run's. Returns what was removed."""
     later = [path for s, path in step_checkpoints(ckpt_dir) if s > step]
     best = ckpt_dir / "best.pt"
-    if best.is_file() and (checkpoint_step(best) or 0) > step:
+    if stale_best(best, step):
         later.append(best)
     for path in later:
         path.unlink(missing_ok=True)
     return later
+
+
+def stale_best(best: Path, step: int) -> bool:
+    """Whether ``best.pt`` is not one a run resumed at ``step`` can test: written after that step (by an attempt
+    that stopped), or unreadable (a crash mid-write cannot leave one, a disk can), which testing would fail on at
+    the end of the run."""
+    if not best.is_file():
+        return False
+    written = checkpoint_step(best)
+    return written is None or written > step
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:

@@ -359,6 +359,18 @@ def test_a_best_checkpoint_written_after_the_resumed_one_is_not_the_runs(fast_cf
     assert load_checkpoint(ckpts / "best.pt")["progress"]["step"] == 4
 
 
+def test_an_unreadable_best_checkpoint_is_replaced_not_tested(fast_cfg):
+    """best.pt damaged on disk: the resumed run removes it and chooses its best among its own validations, instead
+    of failing when it tests best.pt at the end."""
+    train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=2"))
+    cfg = fast_cfg("trainer.max_steps=6", "trainer.eval_every=2", "trainer.resume=auto")
+    best = Path(cfg.paths.output_dir) / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes()[:1000])
+    summary = train(cfg)
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 4 and summary["best_step"] == 6
+    assert load_checkpoint(best)["progress"]["step"] == 6
+
+
 def test_step_checkpoints_written_after_the_resumed_one_are_removed(fast_cfg):
     """Resumed from an older checkpoint of its directory, a run removes the later ones the earlier attempt left:
     pruning kept them (the highest step numbers) over this run's own, and average_last averaged them in."""
