@@ -449,6 +449,7 @@ class PeakMemory:
         self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
         self._ddp_steps = 0  # the steps still to count whatever ``every`` says (see measure)
+        self._failed = False  # the last measured step raised: the allocator's peak is its (see measure)
         if self.allocator:  # a sweep's jobs share a process: this run's figures start here
             self.allocator.reset_peak()
 
@@ -486,7 +487,7 @@ class PeakMemory:
             return
         self._marks = {}
         if self.allocator:
-            self.window_peak = max(self.window_peak, self.allocator.peak())
+            self._fold_allocator_peak()
             self.allocator.reset_peak()
         if counted:
             # the optimizer's state: created inside a counted step (the first), or loaded from a checkpoint before
@@ -497,9 +498,21 @@ class PeakMemory:
         try:
             with self.tracker if counted else contextlib.nullcontext():
                 yield
+        except BaseException:
+            # A step that failed (out of memory, then redone with more accumulation, or the run's end) is in no
+            # figure: its peak says what did not fit, not what the run needs. On CUDA the allocator's peak holds it
+            # until the next reset, which must not fold it into the window's.
+            self._failed = True
+            raise
         finally:
             marks, self._marks = self._marks, None
         self._record(marks, counted)
+
+    def _fold_allocator_peak(self) -> None:
+        """The allocator's peak since its last reset into the window's, unless a failed step reached it."""
+        if not self._failed:
+            self.window_peak = max(self.window_peak, self.allocator.peak())
+        self._failed = False
 
     def _record(self, marks: dict[str, int], counted: bool) -> None:
         mib = 2**20
@@ -533,7 +546,7 @@ class PeakMemory:
         if not self.window_sampled:
             return {}
         if self.allocator:
-            self.window_peak = max(self.window_peak, self.allocator.peak())
+            self._fold_allocator_peak()
         metrics = {"peak_memory_mb": self.window_peak / 2**20, **self.last_split, **self.last}
         self.skip_window()  # the allocator's peak too: the next window's starts from what is allocated now
         return {k: round(v, 1) for k, v in metrics.items()}
@@ -554,7 +567,8 @@ class PeakMemory:
             setattr(self, k, v)
 
     def run_peak_mb(self) -> float | None:
-        return self.run_peak / 2**20 if self.available else None
+        """None where no step finished (a run out of memory in its first): 0 would read as measured."""
+        return self.run_peak / 2**20 if self.available and self.run_peak > 0 else None
 
     def run_peak_split_mb(self) -> dict[str, float] | None:
         """Bytes by category at the run's largest tracked peak, in MiB."""

@@ -1,5 +1,6 @@
 """Peak-memory tracking on the CPU counts exactly what is allocated; bf16 autocast works on the CPU."""
 
+import pytest
 import torch
 
 from src.memory import CATEGORIES, MemoryStrategy, PeakMemory, TensorMemoryTracker, region
@@ -275,6 +276,36 @@ def test_a_windows_cuda_peak_is_its_own_steps():
         logged.append(peak.window_metrics()["peak_memory_mb"])
     assert logged == [900, 100, 250]
     assert peak.run_peak_mb() == 900
+
+
+def test_a_step_that_runs_out_of_memory_is_in_no_figure():
+    """The peaks are those of the steps that finished, as the README says: a failed attempt (redone with more
+    accumulation) is neither in the run's peak nor, on CUDA, in its window's, where the next step's reset folded
+    the allocator's peak in (950 MiB logged against a run peak of 60); a run that finished no step has no peak
+    (it read 0.0)."""
+    allocator = PeakingAllocator()
+    cuda = PeakMemory(torch.device("cpu"), track=False, allocator=allocator)
+    layer = torch.nn.Linear(64, 64)
+    cpu = PeakMemory(torch.device("cpu"))
+    cpu.watch(layer, torch.optim.Adam(layer.parameters()))
+    for peak in (cuda, cpu):
+        with pytest.raises(torch.OutOfMemoryError), peak.measure(1):
+            allocator.allocate(900)
+            held = torch.ones(2 * 2**20)  # 8 MiB the tracker sees
+            raise torch.OutOfMemoryError("injected")
+        allocator.allocate(-900)
+        del held
+        assert peak.run_peak_mb() is None and peak.window_metrics() == {}
+    for peak in (cuda, cpu):
+        with peak.measure(1):
+            allocator.allocate(10)
+            held = torch.ones(2**18)  # 1 MiB
+            allocator.allocate(-10)
+            del held
+    assert cuda.window_metrics()["peak_memory_mb"] == cuda.run_peak_mb() == 60
+    logged = cpu.window_metrics()
+    assert logged["peak_memory_mb"] == pytest.approx(cpu.run_peak_mb(), abs=0.05) and cpu.run_peak_mb() < 2
+    assert sum(cpu.run_peak_split_mb().values()) == pytest.approx(cpu.run_peak_mb(), abs=0.05)
 
 
 def test_a_run_with_an_allocator_logs_its_figures_and_every_nth_split(fast_cfg, monkeypatch):
