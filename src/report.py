@@ -218,7 +218,7 @@ def plot(jobs: list[Job], path: Path) -> None:
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if dy > 0.03 else None)
     broken = [j for j in jobs if j.status != "completed"]
     if broken:
-        text = "not finished:\n" + "\n".join(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).strip('*')}"
+        text = "not finished:\n" + "\n".join(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).replace('**', '')}"
                                              for j in broken)
         ax_mem.text(0.02, 0.02, text, transform=ax_mem.transAxes, fontsize=8, va="bottom", color="tab:red")
     ax_mem.set_xlabel("training throughput (source + target tokens/s)")
@@ -231,7 +231,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         if rows:
             style = "-" if j.status == "completed" else "--"
             ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color[j.name],
-                         label=f"{j.name} {j.label}")
+                         marker="o" if len(rows) == 1 else None, label=f"{j.name} {j.label}")  # a lone point shows
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss (label-smoothed, per target token)")
     ax_loss.set_title("loss curves (dashed: did not finish)")

@@ -186,6 +186,34 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     assert "| tokens/s | MFU | steps |" in table and "| 10 | 12.3% |" in table and "| 10 | – |" in table
 
 
+def test_the_plot_names_unfinished_jobs_in_plain_text_and_draws_a_lone_point(tmp_path, monkeypatch):
+    """The PNG's list of unfinished jobs carries no markdown (it read "no summary.json** (still running, ..."),
+    and a job that logged one row shows as a point (a line of one point draws nothing)."""
+    import matplotlib.pyplot as plt
+
+    from src.report import plot
+
+    sweep = tmp_path / "sweep"
+    for job, status, steps in (("0", "completed", (2, 4)), ("1", "oom", (2,)), ("2", None, (2, 4))):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text("- memory=none\n")
+        (sweep / job / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n"
+                                                           for s in steps))
+        if status:
+            (sweep / job / "summary.json").write_text(json.dumps({"status": status, "strategy": "none",
+                                                                  "tokens_per_s": 10.0, "peak_memory_mb": 1.0}))
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    plot(load_sweep(sweep), tmp_path / "report.png")
+    ax_mem, ax_loss = figures[0].axes
+    text = "\n".join(t.get_text() for t in ax_mem.texts)
+    assert "not finished:" in text and "out of memory" in text and "no summary.json (still running" in text
+    assert "*" not in text
+    markers = {line.get_label(): line.get_marker() for line in ax_loss.lines}
+    assert markers["1 none"] == "o" and markers["0 none"] in ("None", None, "")
+    plt.close(figures[0])
+
+
 def test_report_says_when_bleu_was_not_measured_on_the_whole_sets(tmp_path):
     sweep = tmp_path / "sweep"
     whole = {"sentences": {"test": 20}, "eval_pairs": {"valid": 20, "test": 20}}
