@@ -225,8 +225,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int) -> Estimate:
         split[category] = split.get(category, 0) - cut
         saved += cut
     split["backward"] = split.get("backward", 0) + gathered
-    return dataclasses.replace(est, peak_bytes=int(est.peak_bytes - saved + gathered),
-                               by_category={k: int(v) for k, v in split.items()})
+    by_category = {k: int(v) for k, v in split.items()}
+    return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 
 
 def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
