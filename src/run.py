@@ -461,6 +461,7 @@ def train(cfg: DictConfig) -> dict:
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
             resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
+            continues_here = resumed is not None and resumed[0].resolve().parent == ckpt_dir  # its own checkpoint
 
             def begin() -> RunLogger | NullLogger:
                 """The run starts: its config and its logger (metrics.jsonl, W&B), on rank 0."""
@@ -468,13 +469,11 @@ def train(cfg: DictConfig) -> dict:
                 claimed = True
                 if not world.main:
                     return NullLogger()
-                logger = start_logger(resuming=resumed is not None and resumed[0].resolve().parent == ckpt_dir)
+                logger = start_logger(resuming=continues_here)
                 return logger
 
-            if resumed is None:
-                clear_for_fresh_start(ckpt_dir, resume, world.main)
-            elif resumed[0].resolve().parent != ckpt_dir:  # ckpt_path: another run's; this directory starts afresh
-                clear_for_fresh_start(ckpt_dir, resume, world.main, start=f"{resumed[0]}")
+            if not continues_here:  # from step 0, or from another run's checkpoint (ckpt_path): a fresh start here
+                clear_for_fresh_start(ckpt_dir, resume, world.main, start=str(resumed[0]) if resumed else "step 0")
             summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
