@@ -23,7 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from src.config_check import check_command_line
-from src.errors import UserError
+from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
 from src.planner import cost_note
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             strategy, est, info = plan_config(conf)
             rows.append((job, conf, strategy, est, info))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_lines(e), file=sys.stderr)
         return 1
     if len(rows) == 1:
         job, conf, strategy, est, _ = rows[0]

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from src import callbacks as sweep
 from src.config_check import check_command_line, check_launcher
-from src.errors import UserError
+from src.errors import UserError, error_lines
 from src.memory import free_earlier_runs
 from src.report import evaluated_on
 from src.run import pass_on_signal, train
@@ -45,7 +45,8 @@ def main(cfg: DictConfig) -> float:
         sys.exit(128 + signum)
     except Exception as e:  # summary.json and the W&B run already record it
         if isinstance(e, UserError):
-            log.error("error: %s", e)  # one line naming the key, file or line
+            for problem in str(e).splitlines():  # one line each, naming the key, file or line
+                log.error("error: %s", problem)
         # out of memory after the back-offs: src/run.py logged its one line (the sizes tried, the memory snapshot)
         told = isinstance(e, (UserError, torch.OutOfMemoryError))
         if not multirun:
@@ -87,7 +88,7 @@ if __name__ == "__main__":
         check_command_line(sys.argv[1:])  # a mistyped key, option or value: one line, before anything runs
         check_launcher(sys.argv[1:])
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_lines(e), file=sys.stderr)
         sys.exit(1)
     sys.argv[1:] = quiet_rank(sys.argv[1:])
     main()

@@ -1,4 +1,5 @@
-"""Command-line overrides checked before anything runs, each problem as one line that names the key and the fix.
+"""Command-line overrides checked before anything runs: every problem, each as one line that names the key and the
+fix.
 
 Hydra reports a mistyped key or option over several lines and suggests appending it (``+model.dmodel=5``); a value
 of the wrong type (``trainer.max_steps=abc``) it accepts, and the run fails later. Here the overrides are composed
@@ -26,13 +27,20 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 
 
 def check_command_line(argv: list[str]) -> None:
-    """Raise ``ConfigError`` for the first problem in ``train.py``'s overrides (each job's, with ``-m``)."""
+    """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
+    a problem that several jobs share, once)."""
     if _hydra_command(argv):
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
+    problems: list[str] = []
     for job in _jobs(overrides, multirun):
-        check_overrides(job)
+        try:
+            check_overrides(job)
+        except ConfigError as e:
+            problems += [p for p in str(e).splitlines() if p not in problems]
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def _hydra_command(argv: list[str]) -> bool:
@@ -90,23 +98,34 @@ def _defaults(choices: tuple[str, ...]) -> dict:
 
 
 def check_overrides(overrides: list[str]) -> None:
+    """Raise ``ConfigError`` with a line for each problem in one job's overrides. A key or option that does not
+    exist is left out of the next compose, with the keys under it (checked once it is fixed), until the rest
+    composes; then every value is checked."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    try:
-        cfg = _compose(overrides)
-    except MissingConfigException as e:
-        # "Could not find 'memory/amd'" for one option; "Could not load 'memory/acum'" for one of a list
-        found = re.search(r"Could not (?:find|load) '([^/']+)/([^']+)'", str(e))
-        if not found:
-            raise ConfigError(str(e).splitlines()[0]) from None
-        group, name = found.groups()
-        options = getattr(e, "options", None) or sorted(f.stem for f in (CONF / group).glob("*.yaml"))
-        raise ConfigError(f"{group}={name}: no such option; {group} is one of {', '.join(options)}") from None
-    except ConfigCompositionException as e:
-        key = getattr(e.__cause__, "full_key", None)
-        if key:
-            raise ConfigError(_unknown_key(key, overrides)) from None
-        raise ConfigError(str(e).splitlines()[0]) from None
+    problems, overrides = [], list(overrides)
+    while True:
+        try:
+            cfg = _compose(overrides)
+            break
+        except MissingConfigException as e:
+            # "Could not find 'memory/amd'" for one option; "Could not load 'memory/acum'" for one of a list
+            found = re.search(r"Could not (?:find|load) '([^']+)/([^/']+)'", str(e))
+            if not found:
+                raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
+            group, name = found.groups()
+            options = getattr(e, "options", None) or sorted(f.stem for f in (CONF / group).glob("*.yaml"))
+            problems.append(f"{group}={name}: no such option; {group} is one of {', '.join(options)}")
+            wrong = group
+        except ConfigCompositionException as e:
+            wrong = getattr(e.__cause__, "full_key", None)
+            if not wrong:
+                raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
+            problems.append(_unknown_key(wrong, overrides))
+        rest = [o for o in overrides if not _sets(o, wrong)]
+        if len(rest) == len(overrides):  # nothing to leave out: what is known so far
+            raise ConfigError("\n".join(problems))
+        overrides = rest
     # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
     # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
     groups = [o for o in overrides if _group_choice(o)]
@@ -122,8 +141,20 @@ def check_overrides(overrides: list[str]) -> None:
         if leaf == "name" and (CONF / group).is_dir() and _get(given, key) != default:
             # the loader follows data.name, but the keys are the chosen option's: data.name=multi30k alone read
             # Multi30k without data.root, which the synthetic option does not have
-            raise ConfigError(f"{override}: {key} names the option chosen; choose it with {group}={_get(given, key)}")
-        _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
+            problems.append(f"{override}: {key} names the option chosen; choose it with {group}={_get(given, key)}")
+            continue
+        try:
+            _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _sets(override: str, key: str) -> bool:
+    """Whether ``override`` sets ``key``, a key under it, or (``key`` a group) the group's option."""
+    name = override.split("=")[0].lstrip("+~")
+    return name == key or name.startswith(f"{key}.")
 
 
 PRESETS = ("experiment", "debug")  # groups whose options set other groups' keys

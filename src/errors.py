@@ -1,5 +1,5 @@
-"""Errors that are the user's to fix: reported as one line that names the key, file or line, never as a
-traceback."""
+"""Errors that are the user's to fix: each problem reported as one line that names the key, file or line, never
+as a traceback (an error that reports several problems has a line for each)."""
 
 
 class UserError(Exception):
@@ -8,6 +8,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     pass
+
+
+def error_lines(e: UserError) -> str:
+    """The error as printed: ``error: <problem>``, a line for each problem it reports."""
+    return "\n".join(f"error: {problem}" for problem in str(e).splitlines())
 
 
 def check_int(key: str, value, minimum: int, nullable: bool = False) -> None:

@@ -32,8 +32,16 @@ COMMAND_LINE = [
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
     ("a path starting with an unquoted ~", ["data=multi30k", "data.root=~/multi30k"],
      "data.root=~/multi30k: a bare ~ is not allowed in an override; write data.root=$HOME/multi30k or quote it"),
-    ("two mistyped keys", ["model.dmodel=5", "model.nhead=2"],
-     "model.dmodel: no such key; did you mean model.d_model?"),
+    ("two mistyped keys", ["model.dmodel=5", "model.nhead=2"],  # every problem, a line each
+     "model.dmodel: no such key; did you mean model.d_model? (a new key is added with +model.dmodel=...)\n"
+     "model.nhead: no such key; did you mean model.n_heads?"),
+    # the keys under an option that does not exist are checked once it is fixed; the other values are checked now
+    ("an unknown option, a key of it and a value of the wrong type",
+     ["memory=amd", "memory.accum_steps=2", "trainer.max_steps=abc"],
+     "memory=amd: no such option; memory is one of accum, amp, auto, checkpoint, chunked_ce, fsdp, none, tokens, "
+     "trim_vocab, truncate\ntrainer.max_steps=abc: expected an integer"),
+    ("unknown launcher", ["-m", "hydra/launcher=nope"],
+     "hydra/launcher=nope: no such option; hydra/launcher is one of basic, slurm, submitit_local, submitit_slurm"),
     ("a key under a key that has none", ["trainer.foo.bar=1"], "trainer.foo: no such key; trainer has device, "),
     ("a group's name set instead of its option", ["data.name=multi30k"],
      "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
@@ -111,6 +119,8 @@ FILES = [
      "endings"),
     ("a folder where a corpus file should be", {"train.de": DIRECTORY},
      "{data}/train.de: is a directory; give the path prefix of text files"),
+    ("bad files in several splits", {"train.en": None, "valid.de": "", "test.en": "a\n"},  # all, a line each
+     "{data}/train.en: file not found (nor train.en.gz)\n{data}/valid.de: file is empty\n{data}/test.de has 2 lines but"),
 ]
 
 
@@ -140,10 +150,15 @@ def files_overrides(data: Path) -> list[str]:
 def test_command_line_mistakes(what, overrides, message):
     with pytest.raises(UserError) as e:
         check_command_line(overrides)
-    assert str(e.value).startswith(message) and "\n" not in str(e.value)
-    # and the docs show the whole line (the list of a group's options, say), not only its start
+    assert str(e.value).startswith(message) and str(e.value).count("\n") == message.count("\n")
+    # and the docs show the whole lines (the list of a group's options, say), not only their start
     row = next(r for r in DOC.read_text().splitlines() if r.startswith(f"| {what} |"))
-    assert row.endswith(f" | `{str(e.value).replace('|', chr(92) + '|')}` |"), row
+    assert row.endswith(f" | {doc_cell(str(e.value))} |"), row
+
+
+def doc_cell(message: str) -> str:
+    """A message as docs/bad_input.md shows it: each of its lines as code, one under the other."""
+    return "<br>".join(f"`{line}`" for line in message.replace("|", "\\|").splitlines())
 
 
 # the trainer's, model's and optimizer's settings and the batch size: found before the corpus is read and tokenized
@@ -190,6 +205,7 @@ def test_bad_corpus_files(what, files, message, tmp_path):
     with pytest.raises(UserError) as e:
         train(cfg)
     assert str(e.value).startswith(message.format(data=data)), str(e.value)
+    assert str(e.value).count("\n") == message.count("\n")
 
 
 def test_a_gpu_index_beyond_those_visible(monkeypatch):
@@ -251,11 +267,12 @@ def test_a_gpu_where_there_is_none(fast_cfg):
         train(fast_cfg("trainer.device=cuda"))
 
 
-def test_train_py_shows_one_line_and_no_traceback():
-    proc = run_cli("train.py", "model.dmodel=5")
+def test_train_py_shows_a_line_for_each_problem_and_no_traceback():
+    proc = run_cli("train.py", "model.dmodel=5", "seed=abc")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "error: model.dmodel: no such key; did you mean model.d_model? (a new key is added with +model.dmodel=...)"]
+        "error: model.dmodel: no such key; did you mean model.d_model? (a new key is added with +model.dmodel=...)",
+        "error: seed=abc: expected an integer (the default is 1234)"]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -274,8 +291,8 @@ def test_the_docs_table_lists_every_case_tried():
     text = DOC.read_text()
     for what, _, message in COMMAND_LINE + RUN + FILES:
         row = next(r for r in rows if r.startswith(f"| {what} |"))
-        shown = re.sub(r"\{data\}", "data", message)
-        assert shown.replace("|", "\\|") in row, (what, shown)
+        shown = doc_cell(re.sub(r"\{data\}", "data", message))[1:-1]  # the start of a last line, too
+        assert shown in row, (what, shown)
     assert "Traceback" not in text
 
 

@@ -321,9 +321,12 @@ def test_debug_overfit_catches_a_decoder_that_sees_the_future(preset_cfg, monkey
     [
         ({"train.de": None}, "train.de: file not found"),
         ({"train.de": ""}, "train.de: file is empty"),
-        ({"train.de": "a\nb\nc\n"}, "train.de has 3 lines but"),
+        # every bad file at once, one line each, in the splits' order (and the good test.de read too)
+        ({"test.en": "a\n", "train.en": None, "valid.de": "", "valid.en": ""},
+         ["train.en: file not found", "valid.de: file is empty", "valid.en: file is empty",
+          "test.de has 2 lines but"]),
     ],
-    ids=["missing", "empty", "mismatched"],
+    ids=["missing", "empty", "four-problems-in-three-splits"],
 )
 def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
     data = tmp_path / "data"
@@ -343,9 +346,11 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
     assert proc.returncode == 1
     assert "Traceback" not in output
     errors = [line for line in output.splitlines() if "error:" in line]
-    assert len(errors) == 1 and message in errors[0], output[-2000:]
+    messages = message if isinstance(message, list) else [message]
+    assert len(errors) == len(messages) and all(m in e for m, e in zip(messages, errors)), output[-2000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and message in summary["error"]
+    assert summary["status"] == "failed" and summary["error"].count("\n") == len(messages) - 1
+    assert all(m in line for m, line in zip(messages, summary["error"].splitlines()))
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """Parallel corpora as lists of raw sentence pairs: the synthetic grammar, Multi30k, or any plain files.
 
 Every reader checks what it reads and fails with one line naming the file (and line) when the data is bad:
-a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8.
+a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8. A corpus's reader
+reads every file before it fails, and its error has one such line for each bad file, so one attempt shows them all.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import time
 import urllib.error
 import urllib.request
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import ConfigError, DataError, check_int, check_number
 from ..fileio import atomic_path
@@ -25,6 +29,7 @@ from .synthetic import LengthDistribution, generate_corpus
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,8 +132,22 @@ def read_lines(path: str | Path) -> list[str]:
     return lines
 
 
+def every_problem(calls: list[Callable[[], T]]) -> list[T]:
+    """The results of ``calls``, all of them made: where any fails, one ``DataError`` whose lines are every
+    failure's, in order."""
+    results, problems = [], []
+    for call in calls:
+        try:
+            results.append(call())
+        except DataError as e:
+            problems.append(str(e))
+    if problems:
+        raise DataError("\n".join(problems))
+    return results
+
+
 def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     if len(src) != len(tgt):
         raise DataError(
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
@@ -162,15 +181,18 @@ def find_text_file(prefix: str | Path, lang: str) -> Path:
 
 def load_files(prefixes: dict[str, str], src_lang: str, tgt_lang: str) -> Corpus:
     """Any parallel corpus laid out fairseq-style: ``{prefix}.{lang}`` (or ``.gz``) per split."""
-    splits, description = {}, {}
-    for split in SPLITS:
+
+    def read_split(split: str) -> tuple[list[str], ParallelText]:
         prefix = prefixes.get(split)
         if not prefix:
             raise DataError(f"data.{split}_prefix is not set: give the path prefix of the {split} files")
-        src, tgt = find_text_file(prefix, src_lang), find_text_file(prefix, tgt_lang)
-        splits[split] = read_parallel(src, tgt)
-        description[split] = [str(src.resolve()), str(tgt.resolve())]
-    return Corpus(src_lang, tgt_lang, splits, {"name": "files", **description})
+        paths = every_problem([partial(find_text_file, prefix, lang) for lang in (src_lang, tgt_lang)])
+        return [str(p.resolve()) for p in paths], read_parallel(*paths)
+
+    read = dict(zip(SPLITS, every_problem([partial(read_split, split) for split in SPLITS])))
+    description = {split: paths for split, (paths, _) in read.items()}
+    return Corpus(src_lang, tgt_lang, {split: text for split, (_, text) in read.items()},
+                  {"name": "files", **description})
 
 
 # ----------------------------------------------------------------------------------------------- Multi30k
