@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from . import planner
 from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
-from .data.batching import epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
+from .data.batching import check_token_budget, epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
 from .data.corpus import (
     MULTI30K_URL,
     Corpus,
@@ -302,6 +302,11 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         src_len = min(src_len, strategy.max_src_len)
     if strategy.max_tgt_len:
         tgt_len = min(tgt_len, strategy.max_tgt_len)
+    if strategy.max_tokens:  # a budget that cannot hold the longest pair fails in training: say so here
+        try:
+            check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,

@@ -219,6 +219,24 @@ def test_plan_settings_are_checked_before_the_data_is_read(override, message, ca
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
 
 
+@pytest.mark.parametrize("memory", ["tokens", "auto"])
+def test_plan_refuses_a_token_budget_below_the_longest_pair_as_training_does(memory, capsys):
+    """A budget of 10 tokens cannot batch a pair of 41 (40 source tokens and </s>): training stops at its first
+    batch, so the plan says so rather than "fits" for a batch of one pair cut short."""
+    import plan
+
+    sizes = ["plan.src_len=40", "plan.tgt_len=30", "plan.src_vocab=300", "plan.tgt_vocab=250"]
+    assert plan.main(["model=tiny", f"memory={memory}", "data.max_tokens=10", "memory.budget_gb=12", *sizes]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["error: data.max_tokens=10 is smaller than the longest training pair (41 "
+                                         "tokens with its special token); raise it, or cut long sentences with "
+                                         "memory=truncate"]
+    assert "fits" not in captured.out
+    # cut to 9 tokens and </s>, the pairs fit the budget: planned
+    assert plan.main(["model=tiny", "memory=tokens", "data.max_tokens=10", "memory.max_src_len=9",
+                      "memory.max_tgt_len=9", *sizes]) == 0
+
+
 # ------------------------------------------------------------------------------------------ memory=auto
 
 

@@ -103,6 +103,15 @@ def split_batch(indices: list[int], sizes: list[int], parts: int) -> list[list[i
     return out
 
 
+def check_token_budget(max_tokens: int, largest: int) -> None:
+    """A token budget must hold the largest pair, of ``largest`` tokens as ``pair_sizes`` counts them."""
+    if largest > max_tokens:
+        raise ValueError(
+            f"data.max_tokens={max_tokens} is smaller than the longest training pair ({largest} tokens with "
+            "its special token); raise it, or cut long sentences with memory=truncate"
+        )
+
+
 def token_batch_indices(
     sizes: list[int], max_tokens: int, shuffle: bool, seed: int = 0, epoch: int = 0
 ) -> list[list[int]]:
@@ -112,11 +121,8 @@ def token_batch_indices(
     Every index appears exactly once; the order is a function of ``(seed, epoch)``."""
     if max_tokens < 1:
         raise ValueError(f"data.max_tokens must be >= 1, got {max_tokens}")
-    if sizes and max(sizes) > max_tokens:
-        raise ValueError(
-            f"data.max_tokens={max_tokens} is smaller than the longest training pair ({max(sizes)} tokens with "
-            "its special token); raise it, or cut long sentences with memory=truncate"
-        )
+    if sizes:
+        check_token_budget(max_tokens, max(sizes))
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(len(sizes), generator=g).tolist() if shuffle else list(range(len(sizes)))
     order.sort(key=lambda i: sizes[i])  # stable: equal sizes keep their random order
