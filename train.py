@@ -73,14 +73,15 @@ def scores(summary: dict) -> str:
 
 
 def quiet_rank(argv: list[str]) -> list[str]:
-    """torchrun: ranks other than 0 run in the current directory without Hydra's output files or log file (rank
-    0's run directory is shared with them once the process group is up: src/run.py)."""
+    """torchrun: ranks other than 0 run in the current directory without Hydra's output files or log file, and log
+    only their errors, to stderr (rank 0's run directory is shared with them once the process group is up:
+    src/run.py)."""
     if os.environ.get("RANK", "0") == "0":
         return argv
     if any(a in ("-m", "--multirun") for a in argv):
         sys.exit("error: torchrun runs one training run; launch a sweep's jobs with Hydra's launchers instead")
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging="))]
-    return [*kept, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    return [*kept, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=other_ranks"]
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ from .state import (
     step_checkpoints,
 )
 from .tokenizers import check_tokenizer, save_codecs
-from .trainer import LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
+from .trainer import AgreedOutOfMemoryError, LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -857,12 +857,17 @@ class TrainingRun:
                 reason = str(e).splitlines()[0]
                 del micro
                 largest = max(len(part) for b in group for part in split_batch(b, sizes, p.accum_steps))
-                if attempt == retries or largest == 1:
+                # under torchrun, one rank's error after the ranks agreed to go on (averaging the gradients, the
+                # optimizer step) cannot be redone: the others have taken the step; the run stops, not desyncs
+                alone = world.distributed and not isinstance(e, AgreedOutOfMemoryError)
+                if attempt == retries or largest == 1 or alone:
                     rank = f"_rank{world.rank}" if world.distributed else ""
                     snapshot = peak.snapshot(self.run_dir / f"oom_snapshot{rank}")
+                    where = (f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can "
+                             "redo the step then)" if alone else f"after {len(p.backoffs)} back-off(s)")
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step} with micro-batches of up to {largest} pairs "
-                        f"(accum_steps {p.accum_steps}) after {len(p.backoffs)} back-off(s): {reason}"
+                        f"(accum_steps {p.accum_steps}) {where}: {reason}"
                         + (f"; memory snapshot: {snapshot}" if snapshot else "")
                     ) from None
                 p.accum_steps = min(p.accum_steps * 2, max(len(b) for b in group))
@@ -1044,7 +1049,7 @@ class Fault:
     """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
     failure mid-run, on any device, is recorded and handled as a real one would be."""
 
-    KINDS = ("oom", "error", "nan_loss", "sigterm", "sigusr2", "kill")
+    KINDS = ("oom", "oom_update", "error", "nan_loss", "sigterm", "sigusr2", "kill")
     SIGNALS = {"sigterm": signal.SIGTERM, "sigusr2": signal.SIGUSR2, "kill": signal.SIGKILL}
 
     def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
@@ -1054,7 +1059,8 @@ class Fault:
 
     def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:
         """Act on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
-        attempt): raise ``error``, make the step run out of memory (``oom``) or its loss NaN (``nan_loss``), or
+        attempt): raise ``error``, make the step run out of memory in its first forward pass (``oom``) or in its
+        update (``oom_update``), or its loss NaN (``nan_loss``), or
         send this process SIGTERM (``sigterm``: a preemption, handled after the step), SIGUSR2 (``sigusr2``:
         submitit's requeue signal) or SIGKILL (``kill``: a crash, nothing handled)."""
         if self.kind is None or step != self.at_step or self.times <= 0:
@@ -1063,6 +1069,8 @@ class Fault:
         where = f"(fault injected at step {step} by fault.kind={self.kind})"
         if self.kind == "oom":  # raised by the trainer at the step's first forward pass, as a real one would be
             trainer.inject_oom = f"CUDA out of memory. Tried to allocate 1.91 GiB {where}"
+        elif self.kind == "oom_update":  # at the step's update, after backward (Adam's first step making its state)
+            trainer.inject_oom_update = f"CUDA out of memory. Tried to allocate 256.00 MiB {where}"
         elif self.kind == "nan_loss":
             trainer.inject_nonfinite = True
         elif self.kind in self.SIGNALS:

@@ -180,6 +180,12 @@ class StepStats:
     lr: float = 0.0  # the learning rate this step's update used (the schedule has moved on to the next step's)
 
 
+class AgreedOutOfMemoryError(torch.OutOfMemoryError):
+    """Data-parallel with ``Trainer.agree_on_oom``: a rank ran out of memory in the step's forward or backward pass,
+    and every rank raises this, before any gradient is averaged or update taken, so the ranks can redo the step
+    together. An out-of-memory error after that point, on one rank, cannot be redone: the others are past it."""
+
+
 class Trainer:
     def __init__(
         self,
@@ -208,6 +214,7 @@ class Trainer:
         self.check_finite = True
         self.inject_nonfinite = False  # fault injection: the next step's loss becomes NaN
         self.inject_oom: str | None = None  # fault injection: the next step's first forward pass runs out of memory
+        self.inject_oom_update: str | None = None  # fault injection: the next step's update runs out of memory
         # torchrun with memory.oom_retries set: the ranks agree on an out-of-memory error after backward (see step)
         self.agree_on_oom = False
         self.world = world or World()
@@ -270,7 +277,7 @@ class Trainer:
         if agree:
             if self.world.any(oom is not None):
                 opt.zero_grad(set_to_none=True)
-                raise torch.OutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
+                raise AgreedOutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
             with region("gradients"):  # its flattened buckets: one of the six categories (src/memory.py)
                 average_gradients(model.parameters(), self.world)
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
@@ -293,6 +300,9 @@ class Trainer:
     def _update(self, loss_total: Tensor) -> tuple[bool, Tensor]:
         """Unscale (fp16), clip, check and take the optimizer step: (whether it was non-finite, the gradient norm)."""
         model, opt, scaler = self.model, self.optimizer, self.scaler
+        if self.inject_oom_update:
+            message, self.inject_oom_update = self.inject_oom_update, None
+            raise torch.OutOfMemoryError(message)
         with region("optimizer"):
             scaler.unscale_(opt)  # clip the true gradients, not the scaled ones
             if self.clip_grad_norm:

@@ -135,6 +135,26 @@ def test_torchrun_train_py_writes_one_run_from_rank_0_and_out_of_memory_on_one_r
     assert set(summary["peak_memory_split_mb"]) == set(CATEGORIES)
 
 
+@pytest.mark.slow
+def test_out_of_memory_on_one_rank_in_the_update_stops_the_run_instead_of_redoing_the_step_alone(
+        tmp_path, shared_cache):
+    """The ranks agree on an out-of-memory error in forward or backward, before any gradient is averaged, and redo
+    the step together. One that rank 1 alone raises in the update (Adam's first step making its state, say) comes
+    after that: rank 0 has taken the step, so the run stops with the error. Rank 1 redid the step alone, and the
+    ranks went on a step apart, pairing their collectives wrongly."""
+    run = tmp_path / "run"
+    proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
+                    "memory.oom_retries=2", "fault.kind=oom_update", "fault.at_step=2", "fault.rank=1", "logger=none",
+                    f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode != 0
+    # rank 1's error on stderr, marked with its rank (ranks other than 0 log their errors only)
+    assert ("[rank 1][src.run][ERROR] - out of memory: out of memory at step 2 with micro-batches of up to 16 pairs "
+            "(accum_steps 1) on rank 1 alone, after the ranks averaged their gradients (no rank can redo the step "
+            "then): CUDA out of memory.") in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())  # rank 0's: stopped by rank 1's exit
+    assert summary["status"] == "failed" and summary["steps"] <= 3 and not summary.get("oom_backoffs")
+
+
 def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_cache):
     """SIGTERM to rank 1 alone (a preempted node): both ranks stop after step 3, rank 0 writes that step's
     checkpoint and an interrupted summary, and the run resumed with trainer.resume=auto completes."""
