@@ -182,7 +182,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         seconds=time.perf_counter() - started,
     )
     if strategy.fsdp:
-        return shard_estimate(est, args, world_size)
+        return shard_estimate(est, args, world_size, device)
     return with_ddp_buckets(est) if world_size > 1 else est
 
 
@@ -205,38 +205,57 @@ def with_ddp_buckets(est: Estimate) -> Estimate:
     return dataclasses.replace(est, peak_bytes=est.peak_bytes + buckets, by_category=split)
 
 
-def shard_estimate(est: Estimate, args: ModelArgs, world_size: int) -> Estimate:
+def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu") -> Estimate:
     """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
-    the rest). Parameters (not buffers), gradients and Adam's state are divided by the ranks. Added: the root
+    the rest), at the larger of two moments.
+
+    In backward: parameters (not buffers), gradients and Adam's state are divided by the ranks. Added: the root
     unit's gathered parameters (embeddings, norms, output projection), which stay gathered from forward to
-    backward, and one layer's, gathered again in backward with its unsharded gradient before the reduce-scatter
-    (counted as backward). Checked against a 2-rank run in tests/test_distributed.py."""
+    backward, and one layer's, gathered again in backward with its unsharded gradient before the reduce-scatter,
+    beside the all-gather's own buffer that it is copied out of (its parameters padded to a multiple of the ranks),
+    counted as backward.
+
+    In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
+    (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
+    ``exp_avg_sq`` shard at once, on the CPU the loop's, one parameter at a time. With a model large against its
+    batch, this moment is the peak.
+
+    Checked against 2-rank runs in tests/test_distributed.py."""
     with torch.device("meta"):
         model = Transformer(args)
     size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    padded = {id(p): -(-p.size(0) // world_size) * world_size * size[id(p)] // max(p.size(0), 1)
+              for p in model.parameters()}
     params = sum(size.values())
-    layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
-    gathered = (params - sum(layers)) + max(layers, default=0)
+    units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
+    layers = [sum(size[id(p)] for p in unit) for unit in units]
+    all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
+    gathered = (params - sum(layers)) + max(layers, default=0) + all_gather
     split = dict(est.by_category)
-    saved = 0
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
-        cut = min(total, split.get(category, 0)) * (1 - 1 / world_size)
-        split[category] = split.get(category, 0) - cut
-        saved += cut
+        split[category] = split.get(category, 0) - min(total, split.get(category, 0)) * (1 - 1 / world_size)
     split["backward"] = split.get("backward", 0) + gathered
+    shard = params / world_size
+    adam_temporary = shard if device == "cuda" else max(padded.values()) / world_size
+    step = {"parameters": split["parameters"], "gradients": shard,
+            "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
+            "activations": 0, "logits": 0, "backward": 0}
+    if sum(step.values()) > sum(split.values()):
+        split = step
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 
 
 def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
                  label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0,
-                 world: World | None = None) -> dict[str, int]:
+                 world: World | None = None, foreach: bool = False) -> dict[str, int]:
     """What ``estimate_step`` predicts, measured: a real training step (the second, after Adam's state exists)
     on a random batch of ``shape`` with no padding. On the CPU the tracker's peak; on CUDA the allocator's
     ``max_memory_allocated`` and ``max_memory_reserved`` during the step; on the CPU also ``at_start``, the bytes
     the step starts from (parameters and optimizer state). memory=fsdp: this rank's, inside the process group of
-    ``world``."""
+    ``world``. Adam as the run builds it, or with ``foreach``, its foreach implementation (which memory=fsdp's
+    sharded parameters take on CUDA, and on the CPU only when asked): the CUDA estimate's step, checked on a CPU."""
     free_earlier_runs()  # the steps measured before this one, in this process (their cached CUDA blocks: the caller's)
     torch.manual_seed(0)
     model = Transformer(args).to(device)
@@ -244,7 +263,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     if strategy.fsdp:
         fully_shard_net(net)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=not strategy.fsdp)
+                                 **({"foreach": True} if foreach else {"fused": not strategy.fsdp}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
     trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm,
                       world, net)

@@ -90,14 +90,18 @@ def fsdp_peak(out: Path) -> None:
     """The planner's check on two ranks, under memory=fsdp and under DDP: each rank's tracked peak of a real
     training step (the validation case's model and batch), against what src/planner.py estimates for one rank."""
     from src.model import ModelArgs
-    from src.planner import TINY, StepShape, measure_step
+    from src.planner import SMALL, TINY, StepShape, measure_step
 
     world = world_from_env()
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
-    with process_group(world, torch.device("cpu")):
-        peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), torch.device("cpu"),
-                                    world=world)
+    cpu = torch.device("cpu")
+    with process_group(world, cpu):
+        peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
                  for name, fsdp in (("fsdp", True), ("ddp", False))}
+        # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
+        small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
+        peaks["fsdp_step"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
+                                          foreach=True)
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
 
 

@@ -304,9 +304,12 @@ def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_
 @pytest.mark.slow
 def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(tmp_path):
     """Each of two ranks' tracked peak of a real step against the planner's estimate for one rank: under
-    memory=fsdp its share, under DDP the whole step plus the gradient buckets its reducer keeps."""
+    memory=fsdp its share, under DDP the whole step plus the gradient buckets its reducer keeps. Under memory=fsdp
+    the estimate was 3.6% under: it left out the all-gather's buffer, live beside the layer gathered in backward;
+    and where Adam's step is the peak (a model large against its batch), with the foreach implementation that
+    sharded parameters take on CUDA, 12% under: it left out its square roots of every shard's exp_avg_sq."""
     from src.model import ModelArgs
-    from src.planner import TINY, StepShape, estimate_step
+    from src.planner import SMALL, TINY, StepShape, estimate_step, shard_estimate
 
     proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-peak")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -317,10 +320,17 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(tmp_path):
     whole = estimate_step(args, MemoryStrategy(), shape)
     ddp = estimate_step(args, MemoryStrategy(), shape, world_size=2)
     for peaks in measured:
-        assert abs(sharded.peak_bytes - peaks["fsdp"]["peak"]) / peaks["fsdp"]["peak"] < 0.10
+        assert -0.01 < (sharded.peak_bytes - peaks["fsdp"]["peak"]) / peaks["fsdp"]["peak"] < 0.02
         # DDP: the step's peak plus one fp32 copy of the gradients, counted once (the tracker used to count the
         # buckets again when backward wrote into them: 10.8% over)
         assert ddp.peak_bytes == whole.peak_bytes + 4 * whole.parameters
         assert ddp.peak_bytes == pytest.approx(peaks["ddp"]["peak"], rel=0.01)
     assert sharded.by_category["optimizer"] == pytest.approx(whole.by_category["optimizer"] / 2, rel=0.01)
     assert sharded.peak_bytes < whole.peak_bytes
+    # the optimizer step's moment, as on CUDA (the CPU's trace: CUDA's attention keeps less, which this batch of
+    # 4 tokens hardly has), against the foreach step measured on the CPU
+    small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
+    step = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 2, device="cuda")
+    assert step.by_category["backward"] == 0  # the step's moment: no layer gathered
+    for peaks in measured:
+        assert -0.01 < (step.peak_bytes - peaks["fsdp_step"]["peak"]) / peaks["fsdp_step"]["peak"] < 0.02
