@@ -1,8 +1,10 @@
 """Run by tests/test_distributed.py under torchrun (gloo, CPU): data-parallel steps of the project's Trainer.
 
-    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR CASE [CASE ...]    (CASE: ACCUM_STEPS or ACCUM_STEPS:agree)
-    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR fsdp-peak
-    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR main-first
+    torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR CASE [CASE ...]
+
+CASE: ACCUM_STEPS or ACCUM_STEPS:agree (below), fsdp-peak (``fsdp_peak``) or main-first (``main_first``), one
+after the other in one process group: one launch instead of one per case (each launch imports torch twice,
+seconds on 2 cores).
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
@@ -32,8 +34,7 @@ ORDER = [[0, 1, 2, 3], [4, 5, 6, 7], [0, 2, 4, 6]]  # the epoch's batches: two s
 
 
 def main(out: Path, cases: list[str]) -> None:
-    """Each case (``ACCUM`` or ``ACCUM:agree``) from the same start, one after the other in one process group:
-    one launch instead of one per case (each launch imports torch twice, seconds on 2 cores)."""
+    """Each case, the ``ACCUM`` and ``ACCUM:agree`` ones from the same start."""
     import src.trainer
 
     world = world_from_env()
@@ -51,6 +52,9 @@ def main(out: Path, cases: list[str]) -> None:
     src.trainer.average_gradients, dist._broadcast_coalesced = counting_average, counting_broadcast
     with process_group(world, torch.device("cpu")):
         for case in cases:
+            if case in OTHER_CASES:
+                OTHER_CASES[case](out, world)
+                continue
             accum, _, agree = case.partition(":")
             result = run_case(world, int(accum), agree == "agree", counts)
             torch.save({**result, "buffer_broadcasts": counts["broadcasts"], "averagings": counts["averagings"]},
@@ -86,39 +90,38 @@ def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
     return {"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls, "backoffs": backoffs}
 
 
-def fsdp_peak(out: Path) -> None:
+def fsdp_peak(out: Path, world) -> None:
     """The planner's check on two ranks, under memory=fsdp and under DDP: each rank's tracked peak of a real
     training step (the validation case's model and batch), against what src/planner.py estimates for one rank."""
     from src.model import ModelArgs
     from src.planner import SMALL, TINY, StepShape, measure_step
 
-    world = world_from_env()
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
     cpu = torch.device("cpu")
-    with process_group(world, cpu):
-        peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
-                 for name, fsdp in (("fsdp", True), ("ddp", False))}
-        # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
-        small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
-        peaks["fsdp_step"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
-                                          foreach=True)
+    peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
+             for name, fsdp in (("fsdp", True), ("ddp", False))}
+    # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
+    small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
+    peaks["fsdp_step"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
+                                      foreach=True)
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
 
 
-def main_first(out: Path) -> None:
-    """A corpus prepared as src/run.py prepares it under torchrun, into an empty cache: whether each rank
-    tokenized it or loaded it."""
+def main_first(out: Path, world) -> None:
+    """A corpus prepared as src/run.py prepares it under torchrun, into an empty cache (OUT_DIR/cache): whether
+    each rank tokenized it or loaded it."""
     from omegaconf import OmegaConf
 
     from src.run import prepare_data
     from tests.conftest import compose_config
 
-    world = world_from_env()
     cfg = compose_config("data.train_size=200", run_dir=out / "run", cache_dir=out / "cache")
     conf = OmegaConf.to_container(cfg, resolve=True)
-    with process_group(world, torch.device("cpu")):
-        _, encoded, _, _ = prepare_data(conf, MemoryStrategy(), world=world)
+    _, encoded, _, _ = prepare_data(conf, MemoryStrategy(), world=world)
     torch.save({"from_cache": encoded.from_cache}, out / f"main_first{world.rank}.pt")
+
+
+OTHER_CASES = {"fsdp-peak": fsdp_peak, "main-first": main_first}
 
 
 def exit_without_interpreter_shutdown() -> None:
@@ -135,10 +138,5 @@ def exit_without_interpreter_shutdown() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "fsdp-peak":
-        fsdp_peak(Path(sys.argv[1]))
-    elif sys.argv[2] == "main-first":
-        main_first(Path(sys.argv[1]))
-    else:
-        main(Path(sys.argv[1]), sys.argv[2:])
+    main(Path(sys.argv[1]), sys.argv[2:])
     exit_without_interpreter_shutdown()

@@ -52,18 +52,19 @@ DDP_CASES = {"accum1": (1, False), "accum4": (4, False), "oom-agree": (2, True)}
 
 
 @pytest.fixture(scope="module")
-def ddp_steps(tmp_path_factory) -> Path:
-    """The cases below, run one after the other in one torchrun launch."""
-    out = tmp_path_factory.mktemp("ddp_steps")
+def worker_cases(tmp_path_factory) -> Path:
+    """The worker's cases that the tests below read, run one after the other in one torchrun launch: DDP_CASES,
+    then fsdp-peak and main-first."""
+    out = tmp_path_factory.mktemp("worker_cases")
     cases = [f"{accum}:agree" if agree else str(accum) for accum, agree in DDP_CASES.values()]
-    proc = torchrun("tests/ddp_worker.py", str(out), *cases)
+    proc = torchrun("tests/ddp_worker.py", str(out), *cases, "fsdp-peak", "main-first")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(DDP_CASES))
-def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(ddp_steps, case):
+def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(worker_cases, case):
     """Also when the ranks agree on out-of-memory errors (memory.oom_retries under torchrun) and rank 1 runs out
     in step 1: both redo it with twice the micro-batches, and their gradients are averaged after backward."""
     accum, agree = DDP_CASES[case]
@@ -76,7 +77,7 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(ddp_s
         trainer.step(micro_batches(split, indices, pair_sizes(split), len(group) * accum, PAD, BOS, EOS))
     reference = torch.cat([p.detach().flatten() for p in model.parameters()])
     for rank in (0, 1):
-        got = torch.load(ddp_steps / f"rank{rank}_{accum}{'_agree' if agree else ''}.pt", weights_only=True)
+        got = torch.load(worker_cases / f"rank{rank}_{accum}{'_agree' if agree else ''}.pt", weights_only=True)
         params = torch.cat([p.flatten() for p in got["params"]])
         assert ((params - reference).norm() / reference.norm()).item() < 1e-5
         if agree:  # no synchronization in backward; one averaging per optimizer step, after the step's backward
@@ -155,36 +156,50 @@ def test_out_of_memory_on_one_rank_in_the_update_stops_the_run_instead_of_redoin
     assert summary["status"] == "failed" and summary["steps"] <= 3 and not summary.get("oom_backoffs")
 
 
-def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, shared_cache):
+SIGNALLED = [*FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5", "trainer.save_every=10",
+             "logger=none"]
+
+
+@pytest.fixture(scope="module")
+def signalled_run(tmp_path_factory, shared_cache) -> tuple[subprocess.CompletedProcess, Path]:
+    """A 2-rank run of train.py (5 steps) whose rank 1 alone gets SIGTERM in step 3: the torchrun launch and the
+    run directory, which the tests below copy before they resume it."""
+    tmp = tmp_path_factory.mktemp("signalled")
+    proc = torchrun(str(ROOT / "train.py"), *SIGNALLED, "fault.kind=sigterm", "fault.at_step=3", "fault.rank=1",
+                    f"hydra.run.dir={tmp / 'run'}", f"paths.cache_dir={shared_cache}", cwd=tmp)
+    return proc, tmp / "run"
+
+
+def test_a_signal_to_one_rank_stops_both_after_the_same_step(signalled_run, tmp_path, shared_cache):
     """SIGTERM to rank 1 alone (a preempted node): both ranks stop after step 3, rank 0 writes that step's
     checkpoint and an interrupted summary, and the run resumed with trainer.resume=auto completes."""
-    run = tmp_path / "run"
-    common = [str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5",
-              "trainer.save_every=10", "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}"]
-    proc = torchrun(*common, "fault.kind=sigterm", "fault.at_step=3", "fault.rank=1", cwd=tmp_path)
+    proc, signalled = signalled_run
     assert proc.returncode != 0
     assert "SIGTERM at step 3: checkpoint written" in proc.stdout + proc.stderr
-    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003.pt"]
-    proc = torchrun(*common, "trainer.resume=auto", cwd=tmp_path)
+    assert json.loads((signalled / "summary.json").read_text())["status"] == "interrupted"
+    assert sorted(p.name for p in (signalled / "checkpoints").iterdir()) == ["step_00000003.pt"]
+    run = tmp_path / "run"
+    shutil.copytree(signalled, run)
+    proc = torchrun(str(ROOT / "train.py"), *SIGNALLED, "trainer.resume=auto", f"hydra.run.dir={run}",
+                    f"paths.cache_dir={shared_cache}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"]["step"] == 3 and summary["steps"] == 5
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumes_in_one_process_training_each_batch_once(tmp_path, shared_cache):
-    """A checkpoint counts the epoch's batches trained, not optimizer steps of one batch per rank: a 2-rank run's
-    checkpoint after step 1 (batches 0 and 1) resumed by one process trains batches 2, 3, ... of that epoch, so the
-    epoch trains the tokens one process trains in it. Counting steps, it went on from batch 1 and trained it twice."""
-    epoch = ["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.eval_every=null"]
+def test_a_checkpoint_of_two_ranks_resumes_in_one_process_training_each_batch_once(signalled_run, tmp_path,
+                                                                                    shared_cache):
+    """A checkpoint counts the epoch's batches trained, not optimizer steps of one batch per rank: the 2-rank run's
+    checkpoint after step 3 (batches 0 to 5) resumed by one process trains batches 6, 7, ... of that epoch, so
+    the epoch trains the tokens one process trains in it. Counting steps, it went on from batch 3 and trained
+    batches 3 to 5 twice."""
+    epoch = [*SIGNALLED, "trainer.max_steps=null", "trainer.max_epochs=1", "trainer.eval_every=null"]
     run = tmp_path / "run"
-    proc = torchrun(str(ROOT / "train.py"), *FAST, "trainer.max_steps=1", "trainer.max_epochs=1", "logger=none",
-                    f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = src.run.train(compose_config(*FAST, *epoch, "trainer.resume=auto", run_dir=run, cache_dir=shared_cache))
-    straight = src.run.train(compose_config(*FAST, *epoch, run_dir=tmp_path / "straight", cache_dir=shared_cache))
-    assert resumed["resumed_from"]["step"] == 1 and resumed["steps"] == straight["steps"] - 1
+    shutil.copytree(signalled_run[1], run)
+    resumed = src.run.train(compose_config(*epoch, "trainer.resume=auto", run_dir=run, cache_dir=shared_cache))
+    straight = src.run.train(compose_config(*epoch, run_dir=tmp_path / "straight", cache_dir=shared_cache))
+    assert resumed["resumed_from"]["step"] == 3 and resumed["steps"] == straight["steps"] - 3
     assert (resumed["src_tokens"], resumed["tgt_tokens"]) == (straight["src_tokens"], straight["tgt_tokens"])
 
 
@@ -266,14 +281,12 @@ def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_
     assert (after["test_bleu"], after["best_step"]) == (before["test_bleu"], before["best_step"])
 
 
-def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(tmp_path):
+def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(worker_cases):
     """Under torchrun, rank 0 reads and tokenizes the corpus while rank 1 waits, then rank 1 loads the cache:
     once per machine, not once per GPU at the same time."""
-    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "main-first")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from_cache = [torch.load(tmp_path / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
+    from_cache = [torch.load(worker_cases / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
     assert from_cache == [False, True]
-    assert len(list((tmp_path / "cache").glob("encoded-*.pt"))) == 1
+    assert len(list((worker_cases / "cache").glob("encoded-*.pt"))) == 1
 
 
 @pytest.mark.slow
@@ -302,7 +315,7 @@ def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_
 
 
 @pytest.mark.slow
-def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(tmp_path):
+def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     """Each of two ranks' tracked peak of a real step against the planner's estimate for one rank: under
     memory=fsdp its share, under DDP the whole step plus the gradient buckets its reducer keeps. Under memory=fsdp
     the estimate was 3.6% under: it left out the all-gather's buffer, live beside the layer gathered in backward;
@@ -311,9 +324,7 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(tmp_path):
     from src.model import ModelArgs
     from src.planner import SMALL, TINY, StepShape, estimate_step, shard_estimate
 
-    proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-peak")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = [torch.load(tmp_path / f"fsdp_peak{r}.pt", weights_only=True) for r in (0, 1)]
+    measured = [torch.load(worker_cases / f"fsdp_peak{r}.pt", weights_only=True) for r in (0, 1)]
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
     shape = StepShape(16, 21, 19)
     sharded = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=2)
