@@ -1,8 +1,9 @@
 """Parallel corpora as lists of raw sentence pairs: the synthetic grammar, Multi30k, or any plain files.
 
 Every reader checks what it reads and fails with one line naming the file (and line) when the data is bad:
-a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8. A corpus's reader
-reads every file before it fails, and its error has one such line for each bad file, so one attempt shows them all.
+a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8. The reader of
+``data=files`` (``load_files``) reads every file before it fails, and its error has one such line for each bad
+file, so one attempt shows them all; Multi30k's stops at its first (its files are checksummed downloads).
 """
 
 from __future__ import annotations
