@@ -351,6 +351,17 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     assert not other.from_cache and other.cache_file != first.cache_file
 
 
+def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_run(tmp_path, caplog):
+    """A read-only or full cache directory (here one that cannot be made: a file stands in its place) is
+    warned about after tokenizing, and the run goes on with the ids it made; nothing is left behind."""
+    corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
+    (tmp_path / "file").write_text("")
+    encoded = encode_corpus(corpus, {"name": "spacy", "min_freq": 1}, tmp_path / "file" / "cache")
+    assert not encoded.from_cache and encoded.cache_file is None and len(encoded.splits["train"].src) == 50
+    assert "could not cache the encoded corpus" in caplog.text and "going on without it" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="spaCy tokenizes in a forked child on Linux only")
 def test_spacy_tokenizes_in_a_child_process_and_gives_what_tokenizing_here_gives(tmp_path, monkeypatch):
     """The run's process never builds a spaCy tokenizer (so never holds its memory); the token ids and codecs that
@@ -484,6 +495,26 @@ def test_encoded_corpus_cache_follows_the_tokenizer_in_a_directory_and_spacys_pi
     sentence = corpus.splits["test"].tgt[0]
     assert second.splits["test"].tgt[0].tolist() == second.tgt_codec.encode([sentence])[0]
     assert "de_core_news_sm" in package_versions({"name": "spacy", "models": {"de": "de_core_news_sm"}})
+
+
+def test_encoded_corpus_cache_follows_a_spacy_pipeline_saved_in_a_folder(tmp_path):
+    """+tokenizer.models.en=/a/folder: a pipeline saved there again with other rules is another cache entry."""
+    import spacy
+    from spacy.symbols import ORTH
+
+    corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
+    word = next(w for w in corpus.train.tgt[0].split() if len(w) > 3)
+    folder, cache = tmp_path / "en_pipeline", tmp_path / "cache"
+    spec = {"name": "spacy", "min_freq": 1, "models": {"en": str(folder)}}
+    spacy.blank("en").to_disk(folder)
+    first = encode_corpus(corpus, spec, cache)
+    assert encode_corpus(corpus, spec, cache).from_cache
+    nlp = spacy.blank("en")
+    nlp.tokenizer.add_special_case(word, [{ORTH: word[:2]}, {ORTH: word[2:]}])  # the pipeline now splits the word
+    nlp.to_disk(folder)
+    second = encode_corpus(corpus, spec, cache)
+    assert not second.from_cache
+    assert len(second.splits["train"].tgt[0]) == len(first.splits["train"].tgt[0]) + 1
 
 
 def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):

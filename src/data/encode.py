@@ -113,16 +113,22 @@ class EncodedCorpus:
 
 
 def tokenizer_files_digest(tokenizer: dict) -> str | None:
-    """The contents of a tokenizer given as a local directory (``tokenizer.name_or_path`` of xlmr): the same path
-    holding another tokenizer must not load the ids the earlier one made. None for a hub name, which its name and
-    the packages' versions key."""
-    path = Path(tokenizer.get("name_or_path") or "").expanduser()
-    if tokenizer.get("name") != "xlmr" or not path.is_dir():
+    """The contents of every tokenizer given as a local directory (xlmr's ``tokenizer.name_or_path``, a spaCy
+    pipeline's folder in ``tokenizer.models``): the same path holding another tokenizer must not load the ids the
+    earlier one made. None when there is none: a hub name or an installed package is keyed by its name and the
+    packages' versions."""
+    paths = [tokenizer.get("name_or_path")] if tokenizer.get("name") == "xlmr" else []
+    models = tokenizer.get("models") or {}
+    paths += [models[lang] for lang in sorted(models)]
+    dirs = [Path(p).expanduser() for p in paths if p and Path(p).expanduser().is_dir()]
+    if not dirs:
         return None
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"\0{f.relative_to(path)}\0".encode())
-        h.update(f.read_bytes())
+    for path in dirs:
+        h.update(f"\0\0{path}".encode())
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f"\0{f.relative_to(path)}\0".encode())
+            h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -173,9 +179,13 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
     else:
         blob = _encode(corpus, tokenizer)
     if cache_file is not None:
-        with atomic_path(cache_file) as tmp:
-            torch.save(blob, tmp)
-        log.info("cached encoded corpus in %s", cache_file)
+        try:
+            with atomic_path(cache_file) as tmp:
+                torch.save(blob, tmp)
+            log.info("cached encoded corpus in %s", cache_file)
+        except OSError as e:  # a read-only or full cache directory: this run goes on, the next one tokenizes again
+            log.warning("could not cache the encoded corpus in %s (%s); going on without it", cache_file, e)
+            cache_file = None
     return _from_blob(blob, cache_file, from_cache=False, encode_peak_rss_mb=child_peak)
 
 
