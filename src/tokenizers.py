@@ -12,6 +12,7 @@ Special ids follow fairseq and XLM-R: ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from .errors import ConfigError, check_int
 from .fileio import atomic_dir, write_json
+
+log = logging.getLogger(__name__)
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 BOS, PAD, EOS, UNK = range(4)
@@ -273,7 +276,15 @@ class HFCodec(Codec):
         return len(self.tok)
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        """Token ids of each text. A special token written out in the text (``<s>``, ``</s>``, ``<pad>``, which
+        the tokenizer matches as text) becomes ``<unk>``: as ``</s>`` it would end the sentence in training."""
+        ids = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        special = set(self.tok.all_special_ids) - {self.unk_id}
+        found = sum(i in special for seq in ids for i in seq)
+        if found:
+            log.warning("%d special token(s) such as <s>, </s> or <pad> written in the text; encoded as <unk>", found)
+            ids = [[self.unk_id if i in special else i for i in seq] for seq in ids]
+        return ids
 
     def decode(self, ids: Iterable[int]) -> str:
         kept = []

@@ -116,6 +116,16 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
     assert again is again_tgt and again.encode([sentence])[0] == ids
 
 
+def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog):
+    """"</s>" written in a sentence would end it in training, "<pad>" would be masked out: both become <unk>."""
+    (codec,) = {*build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])}
+    plain = codec.encode(["ein Hund im Garten"])[0]
+    ids = codec.encode(["ein <s> Hund </s> im <pad> Garten"])[0]
+    assert not {codec.bos_id, codec.eos_id, codec.pad_id} & set(ids) and ids.count(codec.unk_id) == 3
+    assert [i for i in ids if i != codec.unk_id] == [i for i in plain if i != codec.unk_id]
+    assert "3 special token(s)" in caplog.text
+
+
 def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):
     """A path that is not a directory is said to be one before the hub is asked (which reads "/x/tok" as a
     malformed repository id); a directory without a tokenizer, and a hub name offline, each in one line."""
