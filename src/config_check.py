@@ -198,8 +198,12 @@ def _get(tree, dotted: str):
 def _check_type(key: str, default, value) -> None:
     if default is _MISSING or default is None or value is None or value is _MISSING:
         return
-    if isinstance(value, str) and value.startswith("${"):
-        return  # an interpolation: checked when it resolves
+    if any(isinstance(v, str) and v.startswith("${") for v in (value, default)):
+        return  # an interpolation (logger.wandb.tags: ${tags}, data.root: ${oc.env:...}): checked when it resolves
+    if isinstance(default, list):
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value}: expected a list, e.g. {key}=[{value}]")
+        return
     if isinstance(default, bool):
         ok, want = isinstance(value, bool), "true or false"
     elif isinstance(default, int):
@@ -212,4 +216,5 @@ def _check_type(key: str, default, value) -> None:
         return
     if not ok:
         shown = str(default).lower() if isinstance(default, bool) else default
-        raise ConfigError(f"{key}={value}: expected {want} (the default is {shown})")
+        quote = f"; quote it: '{key}=\"{value}\"'" if want == "a string" and isinstance(value, (int, float)) else ""
+        raise ConfigError(f"{key}={value}: expected {want} (the default is {shown}){quote}")

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # summary.json and the sweep report give and the final summary writes.
 METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max"}
 SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
+WANDB_MODES = ("online", "offline", "disabled", "shared")  # wandb.init's
 WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
 
 
@@ -88,6 +89,10 @@ class RunLogger:
         import wandb  # imported here: runs without logger=wandb do not need it
 
         mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
+        source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
+        if mode not in WANDB_MODES:
+            raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}")
+        tags = settings.get("tags") or []
         id_file = run_dir / WANDB_ID_FILE
         run_id = None
         if resuming and id_file.is_file():
@@ -99,7 +104,7 @@ class RunLogger:
                 project=settings.get("project"),
                 entity=settings.get("entity"),
                 group=group,
-                tags=list(settings.get("tags") or []),
+                tags=[tags] if isinstance(tags, str) else list(tags),  # logger.wandb.tags=memory: one tag
                 name=name,
                 job_type="train",
                 mode=mode,
@@ -108,7 +113,6 @@ class RunLogger:
                 reinit="finish_previous",  # a sweep's jobs share a process: each gets its own run
             )
         except wandb.errors.UsageError as e:  # e.g. online without a key
-            source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
             raise ConfigError(f"{source}={mode}: {str(e).splitlines()[0]} (or use logger.wandb.mode=offline: "
                               "no account needed)") from None
         if mode != "disabled":

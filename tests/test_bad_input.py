@@ -43,6 +43,7 @@ COMMAND_LINE = [
     ("unknown launcher", ["-m", "hydra/launcher=nope"],
      "hydra/launcher=nope: no such option; hydra/launcher is one of basic, slurm, submitit_local, submitit_slurm"),
     ("a key under a key that has none", ["trainer.foo.bar=1"], "trainer.foo: no such key; trainer has device, "),
+    ("a list setting given one word", ["tags=memory"], "tags=memory: expected a list, e.g. tags=[memory]"),
     ("a group's name set instead of its option", ["data.name=multi30k"],
      "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
 ]
@@ -98,6 +99,8 @@ RUN = [
     ("an empty Multi30k folder setting", ["data=multi30k", "data.root=''"],
      "data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the Multi30k raw files, or to "
      "null to download them"),
+    ("a Multi30k folder named by digits alone, read as a number", ["data=multi30k", "data.root=2016"],
+     "data.root=2016: expected a folder path; quote one made of digits: 'data.root=\"2016\"'"),
     ("a download address that is a folder", ["data=multi30k", "data.url=/data/multi30k"],
      "data.url=/data/multi30k: expected an http://, https:// or file:// address; a folder of the raw files is "
      "data.root"),
@@ -106,6 +109,7 @@ RUN = [
      "hub name"),
 ]
 CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null", "an empty Multi30k folder setting",
+                             "a Multi30k folder named by digits alone, read as a number",
                              "a download address that is a folder", "an XLM-R tokenizer folder that does not exist"}  # before the data, as the trainer's are
 FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),

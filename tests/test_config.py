@@ -142,3 +142,14 @@ def test_a_presets_value_is_not_the_type_its_key_takes():
     check_command_line(["experiment=paper_base", "trainer.max_len_a=1.2"])
     with pytest.raises(ConfigError, match=r"^trainer.max_len_a=abc: expected a number \(the default is 1.5\)$"):
         check_command_line(["experiment=paper_base", "trainer.max_len_a=abc"])
+
+
+def test_list_settings_and_interpolated_defaults_are_typed_by_what_they_take():
+    """tags takes a list (tags=memory would tag m, e, m, o, r, y); logger.wandb.tags defaults to ${tags}, which
+    is no string to type a list against; a number for a string key is told how to quote it."""
+    check_command_line(["logger=wandb", "logger.wandb.tags=[a,b]", "tags=[memory]", "data=multi30k", "data.root=/x"])
+    with pytest.raises(ConfigError, match=r"^tags=memory: expected a list, e.g. tags=\[memory\]$"):
+        check_command_line(["tags=memory"])
+    with pytest.raises(ConfigError, match=r"^tokenizer.name_or_path=2016: expected a string .*; quote it: "
+                                          r"'tokenizer.name_or_path=\"2016\"'$"):
+        check_command_line(["tokenizer=xlmr", "tokenizer.name_or_path=2016"])

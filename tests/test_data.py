@@ -196,6 +196,14 @@ def test_multi30k_errors_name_key_and_file(tmp_path):
         load_multi30k("de", "en", tmp_path, tmp_path)
     with pytest.raises(DataError, match=r"data.root=\S*nowhere: no such directory"):
         load_multi30k("de", "en", tmp_path / "nowhere", tmp_path)
+    # every bad file of a local copy at once, a line each: a missing one and one whose counts differ
+    write(tmp_path / "test_2016_flickr.en.gz", ["one line"], gz=True)
+    with pytest.raises(DataError) as raised:
+        load_multi30k("de", "en", tmp_path, tmp_path)
+    lines = str(raised.value).splitlines()
+    assert len(lines) == 2 and lines[0].endswith("val.de.gz: file not found; data.root must hold the Multi30k "
+                                                 "task-1 raw files")
+    assert "test_2016_flickr.de.gz has 3 lines but" in lines[1] and "test_2016_flickr.en.gz has 1" in lines[1]
 
 
 def test_multi30k_offline_fails_at_once_saying_how_to_point_at_a_copy(tmp_path):

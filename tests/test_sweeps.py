@@ -375,6 +375,8 @@ def test_wandb_modes(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
         RunLogger(tmp_path / "online", {"mode": "online"}, {"a": 1}, name="none")
+    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared$"):
+        RunLogger(tmp_path / "typo", {"mode": "ofline"}, {"a": 1}, name="none")
 
 
 def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):
@@ -400,4 +402,8 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
         RunLogger(tmp_path, {"mode": "online"}, {}, name="none", resuming=resuming).finish({"status": "completed"})
     assert [(c["id"], c["resume"]) for c in calls] == [(None, None), ("run1", "allow")]
     assert (tmp_path / WANDB_ID_FILE).read_text().strip() == "run1"
+    # tags: a list as given; one word (logger.wandb.tags=memory, typed as a string) is one tag, not its letters
+    for tags, expected in ((["a", "b"], ["a", "b"]), ("memory", ["memory"]), (None, [])):
+        RunLogger(tmp_path / "tags", {"mode": "online", "tags": tags}, {}, name="none").finish({"status": "completed"})
+        assert calls[-1]["tags"] == expected
 

@@ -2,8 +2,9 @@
 
 Every reader checks what it reads and fails with one line naming the file (and line) when the data is bad:
 a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8. The reader of
-``data=files`` (``load_files``) reads every file before it fails, and its error has one such line for each bad
-file, so one attempt shows them all; Multi30k's stops at its first (its files are checksummed downloads).
+``data=files`` (``load_files``), and Multi30k's from a local copy (``data.root``), read every file before they
+fail, and the error has one such line for each bad file, so one attempt shows them all; Multi30k's downloads stop
+at the first that fails (each is retried first).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def check_data(data: dict) -> None:
         if data.get("root") == "":  # the default reads MULTI30K_ROOT, which may be set to nothing
             raise ConfigError("data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the "
                               "Multi30k raw files, or to null to download them")
+        root = data.get("root")
+        if root is not None and not isinstance(root, str):  # data.root=2016: Hydra reads a number
+            raise ConfigError(f"data.root={root}: expected a folder path; quote one made of digits: "
+                              f"'data.root=\"{root}\"'")
         url = data.get("url")
         if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://", "file://"))):
             raise ConfigError(f"data.url={url}: expected an http://, https:// or file:// address; a folder of the "
@@ -266,9 +271,7 @@ class _Corrupt(Exception):
 
 def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:
     if root is not None:  # a local copy: use it as is (plain or gzip-compressed)
-        root = Path(root).expanduser()
-        if not root.is_dir():
-            raise DataError(f"data.root={root}: no such directory; it should hold the Multi30k raw files")
+        root = Path(root).expanduser()  # a directory: load_multi30k checked
         for candidate in (root / filename, root / filename.removesuffix(".gz")):
             if candidate.is_file():
                 return candidate
@@ -289,13 +292,20 @@ def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_d
     for key, lang in (("data.src_lang", src_lang), ("data.tgt_lang", tgt_lang)):
         if lang not in MULTI30K_LANGS:
             raise DataError(f"{key}={lang}: Multi30k task 1 has {', '.join(MULTI30K_LANGS)}")
-    splits, description = {}, {"name": "multi30k"}
-    for split, stem in MULTI30K_SPLITS.items():
-        src = multi30k_file(f"{stem}.{src_lang}.gz", root, cache_dir, url, download_ok)
-        tgt = multi30k_file(f"{stem}.{tgt_lang}.gz", root, cache_dir, url, download_ok)
-        splits[split] = read_parallel(src, tgt)
-        description[split] = [str(src.resolve()), str(tgt.resolve())]
-    return Corpus(src_lang, tgt_lang, splits, description)
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise DataError(f"data.root={root}: no such directory; it should hold the Multi30k raw files")
+    # a local copy's bad files are all named at once; downloads stop at the first that fails (each one retries)
+    collect = every_problem if root is not None else (lambda calls: [call() for call in calls])
+
+    def split(stem: str) -> tuple[ParallelText, list[Path]]:
+        paths = collect([partial(multi30k_file, f"{stem}.{lang}.gz", root, cache_dir, url, download_ok)
+                         for lang in (src_lang, tgt_lang)])
+        return read_parallel(*paths), paths
+
+    read = collect([partial(split, stem) for stem in MULTI30K_SPLITS.values()])
+    description = {"name": "multi30k", **{name: [str(p.resolve()) for p in paths]
+                                          for name, (_, paths) in zip(MULTI30K_SPLITS, read)}}
+    return Corpus(src_lang, tgt_lang, {name: text for name, (text, _) in zip(MULTI30K_SPLITS, read)}, description)
 
 
 # ---------------------------------------------------------------------------------------------- synthetic
