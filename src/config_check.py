@@ -62,12 +62,16 @@ def check_launcher(argv: list[str]) -> None:
 
 
 def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    # the config loader lets glob(...) sweeps list the options they match (memory=glob([amp,acc*]))
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
     try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        parsed = OverridesParser.create(config_loader=loader).parse_overrides(overrides)
     except HydraException as e:
         home = next((o for o in overrides if "=~" in o), None)  # the shell leaves the ~ of key=~/path as typed
         if home is not None:

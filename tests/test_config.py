@@ -153,3 +153,15 @@ def test_list_settings_and_interpolated_defaults_are_typed_by_what_they_take():
     with pytest.raises(ConfigError, match=r"^tokenizer.name_or_path=2016: expected a string .*; quote it: "
                                           r"'tokenizer.name_or_path=\"2016\"'$"):
         check_command_line(["tokenizer=xlmr", "tokenizer.name_or_path=2016"])
+
+
+def test_a_glob_sweep_over_a_groups_options_is_checked_job_by_job():
+    """memory=glob([amp,acc*]) sweeps the options it matches (Hydra lists them from conf/); the check did not
+    know the options and stopped with Hydra's "ConfigLoader is not set"."""
+    from src.config_check import _jobs
+
+    assert _jobs(["memory=glob([amp,acc*])", "model=tiny"], True) == [["memory=accum", "model=tiny"],
+                                                                       ["memory=amp", "model=tiny"]]
+    check_command_line(["-m", "memory=glob([amp,acc*])"])
+    with pytest.raises(ConfigError, match=r"^trainer.max_steps=abc: expected an integer \(the default is \d+\)$"):
+        check_command_line(["-m", "memory=glob(*,exclude=[fsdp,auto])", "trainer.max_steps=abc"])
