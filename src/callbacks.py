@@ -2,7 +2,9 @@
 
 ``SweepStatus``: when a multirun ends, the jobs that did not complete, read from their ``summary.json`` (a job
 killed outright has none), for ``train.py`` to list and, with ``fail_on_error=true``, to exit with status 1. From
-the files, not from the jobs' return values: submitit's launchers run each job in a process of its own.
+the files, not from the jobs' return values: submitit's launchers run each job in a process of its own. A sweep
+launched again into its directory (``hydra.sweep.dir``) counts only its own jobs (``src/report.py``'s
+``load_sweep``).
 
 ``SweepReport``: when a multirun ends (every job done, on the machine that launched it, SLURM included), the
 sweep's comparison is written into its directory as ``experiments/report.py`` writes it (``report.md``,
@@ -38,8 +40,8 @@ class SweepStatus(Callback):
 
         try:
             jobs = load_sweep(config.hydra.sweep.dir)
-        except DataError:  # no job wrote anything: every one of them failed to start
-            outcome.failed = [f"{config.hydra.sweep.dir}: no job directories"]
+        except DataError as e:  # no job wrote anything: every one of them failed to start
+            outcome.failed = [str(e)]
         else:
             outcome.failed = [f"job {job.name} ({job.path}): {job.status or 'no summary.json'}"
                               + (f": {job.summary['error']}" if job.summary.get("error") else "")

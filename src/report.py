@@ -10,6 +10,7 @@ are rows of their own with the reason; a job killed before writing its summary i
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from .errors import DataError, UserError
 from .fileio import atomic_path
 from .loggers import run_name
 from .memory import CATEGORIES, memory_strategy
+
+log = logging.getLogger(__name__)
 
 STATUS_TEXT = {"completed": "completed", "oom": "**out of memory**", "failed": "**failed**",
                "interrupted": "**interrupted**", None: "**no summary.json** (still running, or killed)"}
@@ -116,9 +119,22 @@ def load_sweep(sweep_dir: str | Path) -> list[Job]:
     candidates = [root] if _is_job(root) else [p for p in root.iterdir() if p.is_dir() and _is_job(p)]
     if not candidates:
         raise DataError(f"{root}: no runs found (expected job directories with summary.json or .hydra/)")
+    launched = _launched(root)
+    if launched is not None:  # a sweep launched again into its directory: its earlier launch's jobs are not its own
+        earlier = [p for p in candidates if _newest(p, ".hydra/overrides.yaml", ".hydra/config.yaml", "summary.json")
+                   < launched]
+        if len(earlier) == len(candidates):
+            raise DataError(f"{root}: no job of the sweep's latest launch wrote anything (its multirun.yaml is newer "
+                            f"than the {len(earlier)} job directories there, an earlier launch's)")
+        if earlier:
+            log.warning("%s: %d job director%s of an earlier launch of the sweep left out (%s)", root, len(earlier),
+                        "y" if len(earlier) == 1 else "ies", ", ".join(sorted(p.name for p in earlier)))
+            candidates = [p for p in candidates if p not in earlier]
     jobs = []
     for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
         summary = _read_json(path / "summary.json")
+        if launched is not None and summary and _newest(path, "summary.json") < launched:
+            summary = {}  # the earlier launch's: this one was killed before it wrote its own
         overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
         config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
         jobs.append(Job(path.name, path, summary, config, list(overrides), _read_jsonl(path / "metrics.jsonl")))
@@ -131,6 +147,18 @@ def load_sweep(sweep_dir: str | Path) -> list[Job]:
 
 def shared_overrides(jobs: list[Job]) -> set[str]:
     return set.intersection(*(set(j.overrides) for j in jobs))
+
+
+def _launched(root: Path) -> float | None:
+    """When the sweep in ``root`` was last launched: Hydra writes ``multirun.yaml`` there as it starts the jobs
+    (less a second, for file systems that keep coarse times). None for a directory that is no sweep's."""
+    marker = root / "multirun.yaml"
+    return marker.stat().st_mtime - 1.0 if marker.is_file() else None
+
+
+def _newest(path: Path, *files: str) -> float:
+    """The last time any of these files of a job was written (0 where none is)."""
+    return max((f.stat().st_mtime for f in (path / name for name in files) if f.is_file()), default=0.0)
 
 
 def _is_job(path: Path) -> bool:

@@ -25,7 +25,11 @@ def launcher(*overrides: str) -> dict:
 
 def test_the_slurm_preset_extends_submitits_launcher():
     cfg = launcher("hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=600")
-    assert cfg._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    # submitit's, waiting for every job (hydra_plugins/fit_transformer_launchers.py)
+    assert cfg._target_ == "hydra_plugins.fit_transformer_launchers.SlurmLauncher"
+    from hydra_plugins.fit_transformer_launchers import SlurmLauncher
+
+    assert "BaseSubmititLauncher" in [c.__name__ for c in SlurmLauncher.__mro__]  # (Hydra's scan reloads modules)
     assert cfg.partition == "gpu" and cfg.timeout_min == 600
     # one GPU per job and one job per array task: each job's peak memory is its own
     assert cfg.gpus_per_node == 1 and cfg.tasks_per_node == 1 and cfg.nodes == 1
@@ -40,7 +44,8 @@ def test_train_py_composes_the_slurm_launcher_on_the_command_line():
     proc = run_cli("train.py", "hydra.mode=MULTIRUN", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
                    "memory=amp", "--cfg", "hydra")
     assert proc.returncode == 0, proc.stderr
-    assert "mode: MULTIRUN" in proc.stdout and "SlurmLauncher" in proc.stdout and "partition: gpu" in proc.stdout
+    assert "mode: MULTIRUN" in proc.stdout and "fit_transformer_launchers.SlurmLauncher" in proc.stdout
+    assert "partition: gpu" in proc.stdout
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # the plugin's own preset composes too
         cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_slurm"], return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
@@ -105,14 +110,20 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
 def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
     a checkpoint, submitit requeues the job, and the requeued job resumes from step 3 and completes. The sweep's
-    other job fails: with fail_on_error=true the sweep lists it and exits with status 1, although submitit ran
-    the jobs in processes of their own (their failures are read from their summaries)."""
+    other jobs fail, one with an error and one killed outright (no result reaches submitit, which raised
+    UncompletedJobError out of the launcher: the sweep stopped there, without its list or report): with
+    fail_on_error=true the sweep lists both and exits with status 1, although submitit ran the jobs in processes
+    of their own (their failures are read from their summaries)."""
     sweep = tmp_path / "sweep"
-    proc = run_cli("train.py", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", *FAST,
-                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error", "fault.at_step=3",
+    proc = run_cli("train.py", "-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5", *FAST,
+                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error,kill", "fault.at_step=3",
                    "fail_on_error=true", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert f"1 sweep job(s) did not complete:\n  job 1 ({sweep / '1'}): failed: RuntimeError: injected" in proc.stderr
+    listed = proc.stderr.split("2 sweep job(s) did not complete:\n")[1].splitlines()
+    assert listed[0].startswith(f"  job 1 ({sweep / '1'}): failed: RuntimeError: injected")
+    assert listed[1].startswith(f"  job 2 ({sweep / '2'}): no summary.json")
+    assert "ended without a result" in proc.stdout + proc.stderr and (sweep / "report.md").is_file()
+    assert "**no summary.json**" in (sweep / "report.md").read_text()
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 6
     assert summary["resumed_from"]["step"] == 3

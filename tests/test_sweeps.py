@@ -11,7 +11,7 @@ import torch
 from matplotlib import image
 from omegaconf import OmegaConf
 
-from src.errors import ConfigError
+from src.errors import ConfigError, DataError
 from src.loggers import run_name
 from src.report import load_sweep, write_report
 from src.run import train
@@ -407,3 +407,34 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
         RunLogger(tmp_path / "tags", {"mode": "online", "tags": tags}, {}, name="none").finish({"status": "completed"})
         assert calls[-1]["tags"] == expected
 
+
+
+def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path, caplog):
+    """hydra.sweep.dir given again: the report and the sweep's exit status are the latest launch's. Its jobs are
+    those written since Hydra wrote multirun.yaml; an earlier launch's job (2: the sweep had three jobs, now two)
+    is left out, and a job of this launch killed before its summary (1) is not the earlier summary's "completed"."""
+    import os
+
+    from src.callbacks import SweepStatus, outcome
+
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1", "2"):
+        (sweep / job / ".hydra").mkdir(parents=True)
+        (sweep / job / ".hydra" / "overrides.yaml").write_text(f"- memory.accum_steps={int(job) + 1}\n")
+        (sweep / job / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "accum"}))
+        for f in (".hydra/overrides.yaml", "summary.json"):
+            os.utime(sweep / job / f, (1e9, 1e9))  # the earlier launch
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    os.utime(sweep / "multirun.yaml", (1.5e9, 1.5e9))
+    for job, written in (("0", (".hydra/overrides.yaml", "summary.json")), ("1", (".hydra/overrides.yaml",))):
+        for f in written:
+            os.utime(sweep / job / f, (1.5e9 + 60, 1.5e9 + 60))
+    jobs = load_sweep(sweep)
+    assert [(j.name, j.status) for j in jobs] == [("0", "completed"), ("1", None)]
+    assert "1 job directory of an earlier launch of the sweep left out (2)" in caplog.text
+    SweepStatus().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    assert outcome.failed == [f"job 1 ({sweep / '1'}): no summary.json"]
+    outcome.failed = None
+    os.utime(sweep / "multirun.yaml")  # launched again now: none of its jobs has started
+    with pytest.raises(DataError, match="no job of the sweep's latest launch wrote anything"):
+        load_sweep(sweep)
