@@ -77,6 +77,7 @@ class RunLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.wandb = None
+        self._logged_to_wandb = False
         self.num_samples = 0
         if wandb_settings:  # first: a W&B setting that fails leaves no open file behind
             self.num_samples = int(wandb_settings.get("samples") or 0)
@@ -128,6 +129,7 @@ class RunLogger:
         self._file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+            self._logged_to_wandb = True
 
     def rewind(self, step: int) -> None:
         """Drop the rows logged after ``step`` (a resumed run trains those steps again)."""
@@ -158,8 +160,11 @@ class RunLogger:
         if self.wandb is not None:
             # the last row logged first: W&B commits a step's row when the next one begins, or here, and a row
             # committed after the summary would overwrite its totals (src_tokens, model_tflops, ...) with its own
-            self.wandb.log({}, commit=True)
-            final = {k: v for k, v in summary.items() if k not in METRIC_SUMMARIES and _jsonable(v)}
+            if self._logged_to_wandb:  # (with nothing logged, it would be an empty row at step 0)
+                self.wandb.log({}, commit=True)
+            # the run's best validation BLEU and peak memory as summary.json has them: the history of this process
+            # lacks the steps before a resume, and a run that ran out of memory logged no row holding its peak
+            final = {k: v for k, v in summary.items() if _jsonable(v) and not (k in METRIC_SUMMARIES and v is None)}
             self.wandb.summary.update(final)
             self.wandb.finish(exit_code=0 if summary.get("status") == "completed" else 1)
             self.wandb = None

@@ -245,10 +245,18 @@ def plot(jobs: list[Job], path: Path) -> None:
         ax_mem.annotate(note, (x, y), xytext=(x + 0.015 * x_max, y + dy * y_max), fontsize=8,
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if dy > 0.03 else None)
     broken = [j for j in jobs if j.status != "completed"]
+    unplotted = [j for j in jobs if j.status == "completed" and j not in done]  # e.g. trainer.memory_every=null
+    lines = []
     if broken:
-        text = "not finished:\n" + "\n".join(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).replace('**', '')}"
-                                             for j in broken)
-        ax_mem.text(0.02, 0.02, text, transform=ax_mem.transAxes, fontsize=8, va="bottom", color="tab:red")
+        lines += ["not finished:", *(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).replace('**', '')}"
+                                     for j in broken)]
+    if unplotted:
+        lines += ["finished, not plotted:", *(f"{j.name} {j.label}: no " + " and no ".join(
+            what for key, what in (("peak_memory_mb", "peak memory"), ("tokens_per_s", "tokens/s"))
+            if not j.summary.get(key)) for j in unplotted)]
+    if lines:
+        ax_mem.text(0.02, 0.02, "\n".join(lines), transform=ax_mem.transAxes, fontsize=8, va="bottom",
+                    color="tab:red")
     ax_mem.set_xlabel("training throughput (source + target tokens/s)")
     ax_mem.set_ylabel("peak memory (MiB)")
     ax_mem.set_title("memory against speed (test BLEU beside each run)")

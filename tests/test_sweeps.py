@@ -188,26 +188,29 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
 
 def test_the_plot_names_unfinished_jobs_in_plain_text_and_draws_a_lone_point(tmp_path, monkeypatch):
     """The PNG's list of unfinished jobs carries no markdown (it read "no summary.json** (still running, ..."),
-    and a job that logged one row shows as a point (a line of one point draws nothing)."""
+    a completed job without a peak (trainer.memory_every=null) is named, not left out, and a job that logged one
+    row shows as a point (a line of one point draws nothing)."""
     import matplotlib.pyplot as plt
 
     from src.report import plot
 
     sweep = tmp_path / "sweep"
-    for job, status, steps in (("0", "completed", (2, 4)), ("1", "oom", (2,)), ("2", None, (2, 4))):
+    for job, status, steps, peak in (("0", "completed", (2, 4), 1.0), ("1", "oom", (2,), 1.0),
+                                     ("2", None, (2, 4), 1.0), ("3", "completed", (2, 4), None)):
         (sweep / job / ".hydra").mkdir(parents=True)
         (sweep / job / ".hydra" / "overrides.yaml").write_text("- memory=none\n")
         (sweep / job / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n"
                                                            for s in steps))
         if status:
             (sweep / job / "summary.json").write_text(json.dumps({"status": status, "strategy": "none",
-                                                                  "tokens_per_s": 10.0, "peak_memory_mb": 1.0}))
+                                                                  "tokens_per_s": 10.0, "peak_memory_mb": peak}))
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     plot(load_sweep(sweep), tmp_path / "report.png")
     ax_mem, ax_loss = figures[0].axes
     text = "\n".join(t.get_text() for t in ax_mem.texts)
     assert "not finished:" in text and "out of memory" in text and "no summary.json (still running" in text
+    assert "finished, not plotted:\n3 none: no peak memory" in text  # a completed run is not dropped unsaid
     assert "*" not in text
     markers = {line.get_label(): line.get_marker() for line in ax_loss.lines}
     assert markers["1 none"] == "o" and markers["0 none"] in ("None", None, "")
@@ -331,6 +334,19 @@ def test_the_wandb_summary_holds_the_runs_totals(fast_cfg, tmp_path):
         assert w[key] == pytest.approx(summary[key]), key
 
 
+def test_a_run_out_of_memory_before_its_first_row_has_its_peak_in_the_wandb_summary(fast_cfg, tmp_path):
+    """The dashboard compares peaks: a run that ran out of memory at step 3 logged no row (log_every=50), and
+    its W&B summary lacked peak_memory_mb, which summary.json has."""
+    with pytest.raises(torch.OutOfMemoryError):
+        train(fast_cfg("logger=wandb", "fault.kind=oom", "fault.at_step=3", "fault.times=99",
+                        "trainer.log_every=50"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    w = read_wandb_run(wandb_file(tmp_path / "run"))
+    assert summary["status"] == "oom" and summary["peak_memory_mb"] > 0
+    assert not any("peak_memory_mb" in row for row in w["history"])  # (the back-offs' row has accum_steps)
+    assert w["summary"]["peak_memory_mb"] == summary["peak_memory_mb"]
+
+
 def test_a_job_stopped_by_a_setting_before_its_run_began_is_a_failed_wandb_run(fast_cfg, tmp_path):
     """A sweep's job with a bad setting found before the run begins (model.n_heads=3, before any data is read)
     shows on the dashboard as failed with its reason, as a job failing later does: it had a summary.json only."""
@@ -340,6 +356,7 @@ def test_a_job_stopped_by_a_setting_before_its_run_began_is_a_failed_wandb_run(f
     w = read_wandb_run(wandb_file(run))
     assert w["summary"]["status"] == "failed" and w["exit_code"] == 1
     assert w["summary"]["error"].startswith("model.d_model=128 must be divisible by model.n_heads=3")
+    assert w["history"] == []  # nothing logged: no empty row at step 0
     assert json.loads((run / "summary.json").read_text())["status"] == "failed" and (run / "config.yaml").is_file()
 
 
