@@ -164,7 +164,9 @@ class RunLogger:
                 self.wandb.log({}, commit=True)
             # the run's best validation BLEU and peak memory as summary.json has them: the history of this process
             # lacks the steps before a resume, and a run that ran out of memory logged no row holding its peak
-            final = {k: v for k, v in summary.items() if _jsonable(v) and not (k in METRIC_SUMMARIES and v is None)}
+            # (in the shape define_metric gives them, {"max": ...}, so that every run's column is the same)
+            final = {k: {METRIC_SUMMARIES[k]: v} if k in METRIC_SUMMARIES else v for k, v in summary.items()
+                     if _jsonable(v) and not (k in METRIC_SUMMARIES and v is None)}
             self.wandb.summary.update(final)
             self.wandb.finish(exit_code=0 if summary.get("status") == "completed" else 1)
             self.wandb = None

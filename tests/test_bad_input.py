@@ -41,7 +41,7 @@ COMMAND_LINE = [
      "memory=amd: no such option; memory is one of accum, amp, auto, checkpoint, chunked_ce, fsdp, none, tokens, "
      "trim_vocab, truncate\ntrainer.max_steps=abc: expected an integer"),
     ("unknown launcher", ["-m", "hydra/launcher=nope"],
-     "hydra/launcher=nope: no such option; hydra/launcher is one of basic, slurm, submitit_local, submitit_slurm"),
+     "hydra/launcher=nope: no such option; hydra/launcher is one of basic, local, slurm, submitit_local, submitit_slurm"),
     ("a key under a key that has none", ["trainer.foo.bar=1"], "trainer.foo: no such key; trainer has device, "),
     ("a list setting given one word", ["tags=memory"], "tags=memory: expected a list, e.g. tags=[memory]"),
     ("a group's name set instead of its option", ["data.name=multi30k"],
