@@ -84,6 +84,7 @@ from .tokenizers import check_tokenizer, save_codecs
 from .trainer import AgreedOutOfMemoryError, LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
 T = TypeVar("T")
+OPTIM_SETTINGS = ("betas", "eps", "weight_decay")  # Adam's, from optim: the configured ones win over a checkpoint's
 log = logging.getLogger(__name__)
 
 
@@ -727,12 +728,23 @@ class TrainingRun:
         """Continue from a checkpoint: its states, its progress and random generators; ``begin`` once it is accepted."""
         world, ckpt_dir, best_path = self.world, self.ckpt_dir, self.best_path
         check_resumable(path, ckpt, self.model.args.to_dict(), self.conf)
+        configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
+        peak_lrs = list(self.scheduler.base_lrs)
         load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        self._apply_optim_settings(configured, peak_lrs)
         if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
             self.trainer.scaler.load_state_dict(ckpt["scaler"])
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         self.p = p = Progress.from_checkpoint(ckpt)
+        # memory.accum_steps as configured now (memory=accum added to fit): the checkpoint's only where an
+        # out-of-memory back-off raised it above that (it ran out of memory with fewer)
+        configured = self.strategy.accum_steps
+        if p.accum_steps != configured:
+            kept = p.accum_steps if p.backoffs and p.accum_steps > configured else configured
+            log.info("accum_steps %d from here (the checkpoint's %d%s)", kept, p.accum_steps,
+                     ", raised by an out-of-memory back-off" if kept == p.accum_steps else "")
+            p.accum_steps = kept
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)
         if not restore_rng_state(ckpt, world.rank, self.conf["seed"]):
@@ -753,6 +765,24 @@ class TrainingRun:
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
                  p.batches_done)
+
+    def _apply_optim_settings(self, configured: list[dict], peak_lrs: list[float]) -> None:
+        """The optimizer settings as configured now, not as the checkpoint's state has them (loading it put back
+        its Adam betas, eps and peak learning rate): a run resumed with optim.lr=1e-4 trains with that peak."""
+        sched = self.scheduler
+        def plain(v):
+            return tuple(v) if isinstance(v, (list, tuple)) else v  # betas: a list once saved
+
+        changed = sorted({k for g, want in zip(self.optimizer.param_groups, configured) for k in want
+                          if plain(g[k]) != plain(want[k])} | ({"lr"} if list(sched.base_lrs) != peak_lrs else set()))
+        if not changed:
+            return
+        for g, want, peak, factor in zip(self.optimizer.param_groups, configured, peak_lrs, sched.lr_lambdas):
+            g.update(want)
+            g["initial_lr"], g["lr"] = peak, peak * factor(sched.last_epoch)
+        sched.base_lrs, sched._last_lr = peak_lrs, [g["lr"] for g in self.optimizer.param_groups]
+        log.warning("resumed with other optimizer settings than the checkpoint's (%s): this run's apply from here on",
+                    ", ".join(changed))
 
     def _start(self) -> None:
         """The tokenizer's files, the log from the step the run starts at, and the progress bar."""

@@ -91,6 +91,25 @@ def test_a_finished_run_resumed_keeps_its_figures(fast_cfg):
         assert again[key] == first[key], key
 
 
+def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_them(fast_cfg, tmp_path, shared_cache,
+                                                                                   caplog):
+    """The student out of memory resumes with memory=accum and a lower peak learning rate: the steps after the
+    checkpoint run in 2 micro-batches at the new rate, as a run started with those settings does at those steps
+    (the checkpoint's accum_steps, Adam betas and peak rate were put back, while config.yaml said otherwise)."""
+    train(fast_cfg("trainer.max_steps=4", "trainer.log_every=1"))
+    new = ["trainer.max_steps=6", "trainer.log_every=1", "memory=accum", "memory.accum_steps=2", "optim.lr=1e-4",
+           "optim.betas=[0.8,0.99]"]
+    with caplog.at_level(logging.INFO):
+        resumed = train(fast_cfg(*new, "trainer.resume=auto"))
+    fresh = train(compose_config(*FAST, *new, run_dir=tmp_path / "fresh", cache_dir=shared_cache))
+    assert resumed["resumed_from"]["step"] == 4 and resumed["final_accum_steps"] == fresh["final_accum_steps"] == 2
+    lrs = [{r["step"]: r["lr"] for r in read_jsonl(d / "metrics.jsonl") if "lr" in r} for d in (tmp_path / "run",
+                                                                                                 tmp_path / "fresh")]
+    assert [lrs[0][s] for s in (5, 6)] == [lrs[1][s] for s in (5, 6)]
+    assert "other optimizer settings than the checkpoint's (betas, lr)" in caplog.text
+    assert "accum_steps 2 from here (the checkpoint's 1)" in caplog.text
+
+
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared_cache):
     run = tmp_path / "run"
