@@ -11,6 +11,7 @@ Special ids follow fairseq and XLM-R: ``<s>`` 0, ``<pad>`` 1, ``</s>`` 2, ``<unk
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -53,6 +54,15 @@ class Codec:
     def state(self) -> dict:
         """A JSON-able description from which ``codec_from_state`` rebuilds the codec."""
         raise NotImplementedError
+
+    def vocab_digest(self) -> str:
+        """What each token id stands for, as a short hash: a checkpoint's embeddings are of these ids, and a
+        vocabulary of the same size with other words would load and train on without an error."""
+        return _digest(self.state())
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------------------------------------ spaCy
@@ -231,6 +241,9 @@ class SpacyCodec(Codec):
                 tokens.append(self.itos[i])
         return self.detokenize(tokens)
 
+    def vocab_digest(self) -> str:
+        return _digest(self.itos)  # (not the detokenizing rules, which a resumed run may learn anew)
+
     def state(self) -> dict:
         return {
             "type": "spacy",
@@ -298,6 +311,9 @@ class HFCodec(Codec):
     def state(self) -> dict:
         return {"type": "hf", "name_or_path": self.name_or_path, "vocab_size": len(self)}
 
+    def vocab_digest(self) -> str:
+        return _digest(sorted(self.tok.get_vocab().items(), key=lambda item: item[1]))
+
     def save(self, directory: Path) -> None:
         with atomic_dir(directory / "hf") as tmp:  # whole or not at all: translate.py loads it
             self.tok.save_pretrained(tmp)
@@ -342,6 +358,9 @@ class TrimmedCodec(Codec):
 
     def state(self) -> dict:
         return {"type": "trimmed", "base": self.base.state(), "kept": self.kept}
+
+    def vocab_digest(self) -> str:
+        return _digest([self.base.vocab_digest(), self.kept])
 
     def save(self, directory: Path) -> None:
         self.base.save(directory)

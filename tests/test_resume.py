@@ -262,6 +262,20 @@ def files_of(run: Path) -> dict[str, bytes]:
     return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*")) if f.is_file()}
 
 
+def test_a_vocabulary_of_the_same_size_with_other_words_is_refused(fast_cfg):
+    """Other data (data.seed=2) under a vocabulary cap: the sizes match, so the weights would load and train on
+    with every embedding standing for another word (and the tokenizer files of the run would be rewritten)."""
+    cfg = fast_cfg("tokenizer.max_vocab=60", "trainer.max_steps=2", "trainer.eval_every=2")
+    train(cfg)
+    codecs = (Path(cfg.paths.output_dir) / "tokenizer" / "codecs.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"step_00000002\.pt: written with another source and target vocabulary of "
+                                          r"the same size \(its token ids stand for other words"):
+        train(fast_cfg("tokenizer.max_vocab=60", "data.seed=2", "trainer.max_steps=4", "trainer.resume=auto"))
+    assert (Path(cfg.paths.output_dir) / "tokenizer" / "codecs.json").read_bytes() == codecs
+    again = train(fast_cfg("tokenizer.max_vocab=60", "trainer.max_steps=4", "trainer.resume=auto"))
+    assert again["resumed_from"]["step"] == 2  # the same vocabulary, built again from the same data
+
+
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_settings_are_named(fast_cfg, caplog):
     """Resuming with another model size, or with data whose vocabularies differ, stops before anything is loaded
     (load_state_dict's page of size mismatches; model.n_heads would load and compute something else), and leaves

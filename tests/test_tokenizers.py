@@ -10,7 +10,7 @@ from src.data.corpus import read_lines
 from src.errors import ConfigError
 from src.tokenizers import SPECIALS, HFCodec, SpacyCodec, build_codecs, codec_from_state, load_codecs, save_codecs
 
-from .conftest import multi30k_root
+from .conftest import make_xlmr_tokenizer, multi30k_root
 from .helpers import run_cli
 
 TEXT = [
@@ -114,6 +114,9 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
     save_codecs(tmp_path, src, tgt)
     again, again_tgt = load_codecs(tmp_path)
     assert again is again_tgt and again.encode([sentence])[0] == ids
+    # what a checkpoint's ids stand for: the same for the same tokenizer loaded again, another for another one
+    assert again.vocab_digest() == src.vocab_digest()
+    assert HFCodec(str(make_xlmr_tokenizer(tmp_path / "other", vocab_size=400))).vocab_digest() != src.vocab_digest()
 
 
 def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog):
