@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                    "their weights are averaged")
     p.add_argument("--input", default="-", help="source sentences, one per line (default, or -: standard input)")
     p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
-    p.add_argument("--output", help="where to write the translations (default: stdout)")
+    p.add_argument("--output", help="where to write the translations (default, or -: standard output)")
     p.add_argument("--tokenizer", help="the run's tokenizer directory (default: <run>/tokenizer)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--batch-size", type=int, help="sentences decoded together (default: the run's "
@@ -53,33 +54,44 @@ def main(argv: list[str] | None = None) -> int:
                                ("--max-len-b", args.max_len_b, 1)):
         if value is not None and value < least:
             p.error(f"{flag} {value}: must be >= {least}")
+    to_stdout = args.output in (None, "-")
     try:
-        device = resolve_device(args.device)
+        if not to_stdout and Path(args.output).is_dir():  # said now, not after decoding
+            raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")
+        device = resolve_device(args.device, key="--device ")
         model, src_codec, tgt_codec, ckpt = load_translator(args.checkpoint, device, args.tokenizer)
         decoding = run_decoding(ckpt, args)
         print("decoding: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in decoding.items()), file=sys.stderr)
         if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
             print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
-        sources = read_lines(args.input)
+        sources = read_lines(args.input, blank_ok=True)
         references = read_lines(args.reference) if args.reference else None
         if references is not None and len(references) != len(sources):
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
+        kept = [i for i, line in enumerate(sources) if line.strip()]  # a blank line: an empty translation
         with torch.inference_mode():
-            hyps = translate(model, sources, src_codec, tgt_codec, device, batch_size=decoding["batch_size"],
-                             beam_size=decoding["beam_size"], alpha=decoding["length_penalty"],
-                             max_len_a=decoding["max_len_a"], max_len_b=decoding["max_len_b"],
-                             autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
+            decoded = translate(model, [sources[i] for i in kept], src_codec, tgt_codec, device,
+                                batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
+                                alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
+                                max_len_b=decoding["max_len_b"],
+                                autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
+        hyps = [""] * len(sources)
+        for i, hyp in zip(kept, decoded):
+            hyps[i] = hyp
+        if not to_stdout:
+            try:
+                write_text(args.output, "\n".join(hyps) + "\n")
+            except OSError as e:
+                raise UserError(f"--output {args.output}: cannot write ({e.strerror or e})") from None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.output:
-        write_text(args.output, "\n".join(hyps) + "\n")
-    else:
+    if to_stdout:
         sys.stdout.write("\n".join(hyps) + "\n")
     if references is not None:
         tgt_lang = (ckpt.get("config") or {}).get("data", {}).get("tgt_lang")
         print(json.dumps(score(hyps, references, tgt_codec.lowercase, tgt_lang)),
-              file=sys.stderr if not args.output else sys.stdout)
+              file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 

@@ -40,13 +40,20 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .model import ModelArgs, Transformer
     from .tokenizers import load_codecs
 
-    paths = [checkpoint_file(Path(p).expanduser()) for p in ([path] if isinstance(path, str | Path) else path)]
+    paths = [checkpoint_file(Path(p).expanduser().resolve())  # (best.pt's run: resolved, whatever the cwd)
+             for p in ([path] if isinstance(path, str | Path) else path)]
     ckpt = averaged_checkpoint(paths, torch.device("cpu"))  # the optimizer's state too: not onto the device
     tokenizer_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
         raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
     src_codec, tgt_codec = load_codecs(tokenizer_dir)
-    model = Transformer(ModelArgs(**ckpt["model_args"])).to(device)
+    args = ckpt["model_args"]
+    sizes = {"source": (len(src_codec), args.get("src_vocab")), "target": (len(tgt_codec), args.get("tgt_vocab"))}
+    if any(here != there for here, there in sizes.values()):
+        raise UserError(f"{tokenizer_dir}: not the tokenizer of {paths[0]} (" + ", ".join(
+            f"{side} vocabulary {here} here, {there} in the checkpoint" for side, (here, there) in sizes.items())
+            + "); pass that run's tokenizer directory")
+    model = Transformer(ModelArgs(**args)).to(device)
     model.load_state_dict(ckpt["model"])
     model.eval()
     return model, src_codec, tgt_codec, ckpt
@@ -64,12 +71,17 @@ def checkpoint_file(path: Path) -> Path:
 
 
 def read_checkpoint(path: Path, device: torch.device) -> dict:
+    """A checkpoint written by train.py (its model's settings and weights), or one line saying why ``path`` is not."""
     if not path.is_file():
         raise UserError(f"{path}: checkpoint not found")
     try:
-        return load_checkpoint(path, device)
+        ckpt = load_checkpoint(path, device)
     except Exception as e:
         raise UserError(f"{path}: not a readable checkpoint ({unreadable_because(e)})") from None
+    if not isinstance(ckpt, dict) or not {"model", "model_args"} <= ckpt.keys():
+        raise UserError(f"{path}: not a checkpoint written by train.py (it has no model settings and weights: "
+                        "a bare state_dict?)")
+    return ckpt
 
 
 def unreadable_because(e: Exception) -> str:

@@ -75,6 +75,7 @@ from .state import (
     drop_later_checkpoints,
     find_resume,
     prune,
+    remove_partial_writes,
     restore_rng_state,
     rng_state,
     stale_best,
@@ -91,19 +92,20 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------------ building
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "trainer.device=") -> torch.device:
+    """``key``: how the setting is named in the errors (translate.py's is ``--device ``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name}: no CUDA device is visible; use trainer.device=cpu (or auto)")
+        raise ConfigError(f"{key}{name}: no CUDA device is visible; use {key}cpu (or auto)")
     if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"trainer.device={name}: expected auto, cpu or cuda")
+        raise ConfigError(f"{key}{name}: expected auto, cpu or cuda")
     try:
         device = torch.device(name)
     except RuntimeError:  # cuda:x
-        raise ConfigError(f"trainer.device={name}: expected auto, cpu, cuda or cuda:<index>") from None
+        raise ConfigError(f"{key}{name}: expected auto, cpu, cuda or cuda:<index>") from None
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"trainer.device={name}: {torch.cuda.device_count()} CUDA device(s) visible, numbered from 0")
+        raise ConfigError(f"{key}{name}: {torch.cuda.device_count()} CUDA device(s) visible, numbered from 0")
     return device
 
 
@@ -480,6 +482,8 @@ def train(cfg: DictConfig) -> dict:
 
             if not continues_here:  # from step 0, or from another run's checkpoint (ckpt_path): a fresh start here
                 clear_for_fresh_start(ckpt_dir, resume, world.main, start=str(resumed[0]) if resumed else "step 0")
+            if world.main:
+                remove_partial_writes(ckpt_dir)
             summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:

@@ -128,6 +128,13 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         path.unlink(missing_ok=True)
 
 
+TRAINING_STATE = {"progress", "model", "optimizer", "scheduler"}  # what a step checkpoint holds to resume from
+
+
+def is_training_state(state) -> bool:
+    return isinstance(state, dict) and state.keys() >= TRAINING_STATE
+
+
 def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The checkpoint to resume from and its contents: with ``resume=auto`` the newest readable one in ``ckpt_dir``,
     the run's own; else (or where it has none yet) ``ckpt_path`` if given; else None, a fresh start. A requeued
@@ -139,9 +146,13 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
         if not path.is_file():
             raise ConfigError(f"ckpt_path={ckpt_path}: no such file")
         try:
-            return path, load_checkpoint(path)
+            state = load_checkpoint(path)
         except Exception as e:
             raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({unreadable_because(e)})") from None
+        if not is_training_state(state):
+            raise ConfigError(f"ckpt_path={ckpt_path}: not a training checkpoint of train.py (it lacks the "
+                              f"{', '.join(sorted(TRAINING_STATE))} a run resumes from: a bare state_dict?)")
+        return path, state
     if resume not in (None, "never", "auto"):
         raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
     return None
@@ -156,7 +167,7 @@ def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
         except Exception as e:
             log.warning("%s is unreadable (%s); trying the previous checkpoint", path, unreadable_because(e))
             continue
-        if "progress" not in state:
+        if not is_training_state(state):
             log.warning("%s is not a training checkpoint; trying the previous one", path)
             continue
         return path, state
@@ -196,6 +207,17 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab:
     if differ:
         log.warning("%s: resumed with other %s settings than the run that wrote it; the rest of this run will not be "
                     "the one that run would have trained", path, ", ".join(differ))
+
+
+def remove_partial_writes(ckpt_dir: Path) -> None:
+    """The temporary files of checkpoints whose writing was cut short by SIGKILL (atomic_path removes its own
+    otherwise): each as large as the model and its optimizer state, and never read."""
+    partial = sorted(ckpt_dir.glob(".*.pt.*.tmp"))
+    for path in partial:
+        path.unlink(missing_ok=True)
+    if partial:
+        log.warning("removed %d checkpoint(s) left half-written in %s by a run that was killed while writing",
+                    len(partial), ckpt_dir)
 
 
 def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start: str = "step 0") -> None:

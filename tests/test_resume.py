@@ -135,6 +135,8 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
                                                                 "step_00000006.pt"]
     newest = ckpts / "step_00000006.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # a crash mid-copy, a full disk
+    partial = ckpts / ".step_00000008.pt.x1y2z3.tmp"  # atomic_path's temporary file, the run killed while writing
+    partial.write_bytes(b"\0" * 1000)
     with caplog.at_level(logging.WARNING):
         summary = train(fast_cfg("trainer.max_steps=8", "trainer.save_every=2", "trainer.eval_every=8",
                                  "trainer.resume=auto"))
@@ -142,6 +144,7 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     assert any("step_00000006.pt is unreadable" in r.message and "trying the previous" in r.message
                for r in caplog.records)
     assert summary["steps"] == 8
+    assert not partial.exists() and "removed 1 checkpoint(s) left half-written" in caplog.text
 
 
 def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):

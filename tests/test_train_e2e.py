@@ -228,6 +228,46 @@ def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
         "tensors and plain values, or none)"]
 
 
+def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_files(fast_cfg, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A bare state_dict, another run's tokenizer, an output path that is a folder, CUDA where there is none: one
+    line each (they were tracebacks: KeyError, IndexError in decoding, IsADirectoryError after decoding), naming
+    translate.py's own flags. A checkpoint named relative to the working directory finds its run's tokenizer, a
+    blank input line is an empty translation, and --output - is standard output."""
+    from src.errors import ConfigError
+    from src.tokenizers import SpacyCodec, save_codecs
+
+    cfg = fast_cfg("trainer.max_steps=2", "trainer.eval_every=2")
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    bare = tmp_path / "bare.pt"
+    torch.save(load_checkpoint(ckpts / "best.pt")["model"], bare)
+    source = tmp_path / "in.de"
+    source.write_text("\n \nein Hund\n")
+    other = SpacyCodec.build(["ein Hund"], "de")
+    save_codecs(tmp_path / "other_tokenizer", other, other)
+
+    def error(*args: str) -> str:
+        assert translate.main([*args, "--input", str(source)]) == 1
+        return capsys.readouterr().err.splitlines()[-1]
+
+    assert error(str(bare)).startswith(f"error: {bare}: not a checkpoint written by train.py")
+    assert error(str(ckpts), "--tokenizer", str(tmp_path / "other_tokenizer")).startswith(
+        f"error: {tmp_path / 'other_tokenizer'}: not the tokenizer of {ckpts / 'best.pt'} (source vocabulary 6 here")
+    assert error(str(ckpts), "--output", str(tmp_path)) == (
+        f"error: --output {tmp_path}: is a directory; name a file (or - for standard output)")
+    if not torch.cuda.is_available():
+        assert error(str(ckpts), "--device", "cuda") == (
+            "error: --device cuda: no CUDA device is visible; use --device cpu (or auto)")
+    with pytest.raises(ConfigError, match=r"^ckpt_path=\S+bare\.pt: not a training checkpoint of train\.py"):
+        train(compose_config(*FAST, f"ckpt_path={bare}", run_dir=tmp_path / "other", cache_dir=tmp_path / "c"))
+
+    monkeypatch.chdir(ckpts)
+    assert translate.main(["best.pt", "--input", str(source), "--output", "-", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert lines[:2] == ["", ""] and lines[2] and lines[3:] == [""] and not (ckpts / "-").exists()
+
+
 @pytest.mark.slow
 def test_training_learns_to_translate(fast_cfg):
     """A short run on the synthetic corpus scores far above an untrained model."""

@@ -95,9 +95,10 @@ def check_data(data: dict) -> None:
         raise ConfigError(f"data.name={name!r}: expected synthetic, multi30k or files")
 
 
-def read_lines(path: str | Path) -> list[str]:
+def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
     """Lines of a UTF-8 text file, plain or gzip-compressed (``-``: standard input), without line endings (``\\n``
-    or ``\\r\\n``) and without a byte-order mark."""
+    or ``\\r\\n``) and without a byte-order mark. A file of blank lines only is empty, unless ``blank_ok``
+    (translate.py's input: a blank line is an empty translation)."""
     if str(path) == "-":
         path, raw = "<stdin>", sys.stdin.buffer.read()
     else:
@@ -114,7 +115,7 @@ def read_lines(path: str | Path) -> list[str]:
             raise DataError(f"{path}: cannot read ({e})") from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    if not raw.strip():
+    if not raw.strip() and not (blank_ok and raw):
         raise DataError(f"{path}: file is empty")
     if raw.count(b"\x00") > len(raw) // 4:  # every other byte NUL: UTF-16 (UTF-8 text has none)
         raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")
