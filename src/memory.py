@@ -82,7 +82,8 @@ class MemoryStrategy:
             raise ConfigError(f"memory.oom_retries={self.oom_retries} with memory=fsdp: FSDP reduce-scatters gradients "
                               "inside every backward pass, so its ranks cannot redo a step together; set it to 0 or "
                               "null, and plan first (plan.py)")
-        if self.auto and not (isinstance(self.budget_gb, (int, float)) and self.budget_gb > 0):
+        budget = self.budget_gb
+        if self.auto and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
             raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
                               "e.g. memory.budget_gb=12")
 

@@ -87,7 +87,9 @@ def worst_case_shapes(longest_src: int, longest_tgt: int, batch_size: int, max_t
                 return -(-n // accum_steps) * (src + tgt)
 
             fewest, most = min(ends.values()), max(ends.values())
-            pairs = max(range(fewest, most + accum_steps + 1), key=positions)
+            # (at most max_tokens pairs, of one position each: memory=auto's micro-batches of one pair ask for
+            # 10**9 accumulation steps, which this range was as long as)
+            pairs = max(range(fewest, min(most + accum_steps, max_tokens) + 1), key=positions)
             batches.append(batch(pairs, max_tokens // pairs))
     shapes = []
     for pairs, src, tgt in batches:
@@ -340,6 +342,8 @@ def cost_note(strategy: MemoryStrategy) -> str:
         notes.append("truncate: cut tokens cost BLEU")
     if strategy.max_tokens:
         notes.append("tokens: less padding")
+    if strategy.trim_vocab:
+        notes.append("trim_vocab: pieces never seen in training cannot be read or written (they become <unk>)")
     if strategy.fsdp:
         notes.append("fsdp: parameters gathered for each layer in forward and backward, gradients reduce-scattered")
     return "; ".join(notes) or "baseline"

@@ -19,6 +19,7 @@ from src.planner import (
     VALIDATION_CASES,
     XLMR_VOCAB,
     StepShape,
+    cost_note,
     estimate_step,
     measure_step,
     worst_case_shapes,
@@ -89,6 +90,11 @@ def test_worst_case_shapes_follow_the_batching_rules():
     assert worst_case_shapes(40, 30, 128, 2048, 2) == [StepShape(25, 41, 31, 2), StepShape(33, 31, 31, 2)]
     # the budget's rounding: one pair of 501 fits in 1,000 tokens, and two of 500
     assert worst_case_shapes(500, 500, 128, 1000, 1) == [StepShape(1, 501, 501), StepShape(2, 500, 500)]
+    # micro-batches of one pair, as memory=auto asks for them (10**9 steps): at once, not a loop of 10**9 (plan.py
+    # and memory=auto with memory=tokens hung for minutes)
+    started = time.perf_counter()
+    assert worst_case_shapes(40, 30, 128, 2048, 10**9) == worst_case_shapes(40, 30, 128, 2048, 2048)
+    assert time.perf_counter() - started < 1
 
 
 @pytest.mark.parametrize("src_lens,tgt_lens", [([500] + [499] * 10, [500] + [499] * 10),  # the budget's rounding
@@ -467,3 +473,13 @@ def test_one_rank_under_ddp_is_planned_with_ddps_gradient_buckets(fast_cfg):
     one, two = (choose_for_budget(conf, strategy, encoded, split, torch.device("cpu"), n)[1] for n in (1, 2))
     buckets_mb = 4 * count_parameters(conf["model"], encoded) / 2**20
     assert two["tried"][0]["estimate_mb"] - one["tried"][0]["estimate_mb"] == pytest.approx(buckets_mb, abs=0.2)
+
+
+def test_every_strategy_names_its_cost_and_a_budget_is_a_number():
+    """plan.py's "expected cost" for trim_vocab read "baseline"; memory.budget_gb=true planned for 1 GB."""
+    from src.errors import ConfigError
+
+    assert cost_note(MemoryStrategy()) == "baseline"
+    assert cost_note(MemoryStrategy(trim_vocab=True)).startswith("trim_vocab: pieces never seen in training")
+    with pytest.raises(ConfigError, match=r"^memory.budget_gb=True: memory=auto needs the memory budget in GB"):
+        MemoryStrategy(auto=True, budget_gb=True)
