@@ -160,8 +160,14 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
 
 def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The newest step checkpoint in ``ckpt_dir`` that can be read, and its contents; each one passed over is
-    named in a warning."""
-    for _, path in step_checkpoints(ckpt_dir):
+    named in a warning. ``best.pt`` (a whole training state too) where it is newer than every step checkpoint:
+    with trainer.save_every above eval_every, a run killed between them may have no other."""
+    candidates = step_checkpoints(ckpt_dir)
+    best = ckpt_dir / "best.pt"
+    best_step = checkpoint_step(best) if best.is_file() else None
+    if best_step is not None and (not candidates or best_step > candidates[0][0]):
+        candidates.insert(0, (best_step, best))
+    for _, path in candidates:
         try:
             state = load_checkpoint(path)
         except Exception as e:
@@ -239,6 +245,6 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start:
     if main:
         for path in [*stale, best, ckpt_dir.parent / "summary.json", ckpt_dir.parent / "test.hyp.txt"]:
             path.unlink(missing_ok=True)
-        log.warning("trainer.resume=%s: removed the %d %scheckpoints in %s and the earlier run's best.pt and summary; "
-                    "training starts from %s", resume, len(stale), "unreadable " if resume == "auto" else "",
-                    ckpt_dir, start)
+        removed = f"the {len(stale)} {'unreadable ' if resume == 'auto' else ''}checkpoints in {ckpt_dir} and " if stale else ""
+        log.warning("trainer.resume=%s: removed %sthe earlier run's best.pt and summary; training starts from %s",
+                    resume, removed, start)

@@ -147,6 +147,27 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     assert not partial.exists() and "removed 1 checkpoint(s) left half-written" in caplog.text
 
 
+def test_resume_auto_continues_from_best_pt_where_it_is_the_newest_state(fast_cfg, tmp_path, shared_cache):
+    """trainer.save_every above eval_every: a run killed after a validation and before its next step checkpoint
+    holds only best.pt, a whole training state, which resume=auto continues from (it started over from step 0,
+    removing best.pt); the steps after it are those of the run that never stopped."""
+    settings = ["trainer.eval_every=2", "trainer.save_every=10", "trainer.log_every=1"]
+    straight = compose_config(*FAST, *settings, "trainer.max_steps=5", run_dir=tmp_path / "straight",
+                              cache_dir=shared_cache)
+    train(straight)
+    cfg = fast_cfg(*settings, "trainer.max_steps=5")
+    train(cfg)
+    run = Path(cfg.paths.output_dir)
+    for path in [*run.glob("checkpoints/step_*.pt"), run / "summary.json"]:  # as if killed before step 5
+        path.unlink()
+    best = load_checkpoint(run / "checkpoints" / "best.pt")["progress"]["step"]  # step 2 or 4: the better BLEU
+    resumed = train(fast_cfg(*settings, "trainer.max_steps=5", "trainer.resume=auto"))
+    assert resumed["resumed_from"] == {"path": str(run / "checkpoints" / "best.pt"), "step": best}
+    losses = [{r["step"]: r["loss"] for r in read_jsonl(d / "metrics.jsonl") if "loss" in r}
+              for d in (run, tmp_path / "straight")]
+    assert losses[0] == losses[1] and len(losses[0]) == 5
+
+
 def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):
     """A run whose last step is a save step ends without writing that checkpoint again."""
     written = []
@@ -383,14 +404,15 @@ def test_a_run_started_from_another_runs_checkpoint_in_a_used_directory_starts_i
 
 
 def test_a_best_checkpoint_written_after_the_resumed_one_is_not_the_runs(fast_cfg):
-    """An attempt that died after writing best.pt at a later step than its newest step checkpoint: resumed (here
-    to stop at that checkpoint's step), the run validates and tests its own model, not the dead attempt's."""
+    """A run resumed from one of its step checkpoints (ckpt_path) older than its best.pt: here to stop at that
+    checkpoint's step, it validates and tests its own model, not the best.pt of the steps it no longer has.
+    (resume=auto continues from such a best.pt, the newest state: test_resume_auto_continues_from_best_pt...)"""
     cfg = fast_cfg("trainer.max_steps=6", "trainer.eval_every=2", "trainer.save_every=4")
     train(cfg)
     ckpts = Path(cfg.paths.output_dir) / "checkpoints"
-    (ckpts / "step_00000006.pt").replace(ckpts / "best.pt")  # the dead attempt's best.pt, of step 6
+    (ckpts / "step_00000006.pt").replace(ckpts / "best.pt")  # the best.pt of step 6
     summary = train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=2", "trainer.save_every=4",
-                             "trainer.resume=auto"))
+                             f"ckpt_path={ckpts / 'step_00000004.pt'}"))
     assert summary["resumed_from"]["step"] == 4 and summary["best_step"] == 4
     assert load_checkpoint(ckpts / "best.pt")["progress"]["step"] == 4
 
