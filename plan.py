@@ -18,30 +18,33 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import OmegaConf
 
-from src.config_check import check_command_line
+from src.config_check import check_command_line, sweep_jobs
 from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
 from src.planner import cost_note
-from src.run import context_gb, plan_config
+from src.run import context_gb, plan_config, resolve_config
 
 CONF = Path(__file__).resolve().parent / "conf"
 
 
 def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The jobs train.py -m would run: the sweep a preset sets (hydra.sweeper.params, experiment=memory_sweep's)
+    first, then the command line's, as Hydra's basic sweeper takes them."""
     if not multirun:
         return [overrides]
-    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
+    fixed = [o for o in overrides if not sweep_jobs([o], True)[1:]]  # composable as they are: no lists, no globs
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=fixed, return_hydra_config=True)
+    preset = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
+    return sweep_jobs([*preset, *overrides], True)
 
 
 def resolved(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[*overrides, "paths.output_dir=."])
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    return resolve_config(cfg)  # data=files without its paths: one line, as train.py says it
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def check_command_line(argv: list[str]) -> None:
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     problems: list[str] = []
-    for job in _jobs(overrides, multirun):
+    for job in sweep_jobs(overrides, multirun):
         try:
             check_overrides(job)
         except ConfigError as e:
@@ -61,7 +61,8 @@ def check_launcher(argv: list[str]) -> None:
                           "machine: run the command on the cluster, or leave the launcher out to run the jobs here")
 
 
-def _jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper splits them (``glob(...)`` of a group's options included)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra._internal.utils import create_config_search_path

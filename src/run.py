@@ -180,6 +180,17 @@ def check_plan(plan: dict) -> None:
         check_int(f"plan.{key}", plan.get(key), 1, nullable=True)
 
 
+def resolve_config(cfg: DictConfig) -> dict:
+    """The config as plain data, every interpolation resolved; a required key left unset or an interpolation that
+    does not resolve is one line."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+
+
 def check_settings(conf: dict) -> None:
     """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
     optimizer, data, tokenizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
@@ -450,12 +461,7 @@ def train(cfg: DictConfig) -> dict:
                          group=conf.get("sweep_name") or job.get("sweep_dir"), resuming=resuming)
 
     try:
-        try:
-            conf = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-        except MissingMandatoryValue as e:
-            raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+        conf = resolve_config(cfg)
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
         check_settings(conf)

@@ -158,9 +158,9 @@ def test_list_settings_and_interpolated_defaults_are_typed_by_what_they_take():
 def test_a_glob_sweep_over_a_groups_options_is_checked_job_by_job():
     """memory=glob([amp,acc*]) sweeps the options it matches (Hydra lists them from conf/); the check did not
     know the options and stopped with Hydra's "ConfigLoader is not set"."""
-    from src.config_check import _jobs
+    from src.config_check import sweep_jobs
 
-    assert _jobs(["memory=glob([amp,acc*])", "model=tiny"], True) == [["memory=accum", "model=tiny"],
+    assert sweep_jobs(["memory=glob([amp,acc*])", "model=tiny"], True) == [["memory=accum", "model=tiny"],
                                                                        ["memory=amp", "model=tiny"]]
     check_command_line(["-m", "memory=glob([amp,acc*])"])
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=abc: expected an integer \(the default is \d+\)$"):

@@ -225,6 +225,24 @@ def test_plan_settings_are_checked_before_the_data_is_read(override, message, ca
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
 
 
+def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
+    """plan.py -m plans the jobs train.py -m runs: a preset's own sweep (experiment=memory_sweep's eight jobs; it
+    planned one) and a glob over a group's options (a traceback: "ConfigLoader is not set"). A required setting
+    left out (experiment=paper_base's corpus files) is train.py's one line, not MissingMandatoryValue's traceback."""
+    import plan
+
+    sizes = ["plan.src_len=20", "plan.tgt_len=20", "plan.src_vocab=100", "plan.tgt_vocab=100"]
+    assert plan.jobs(["experiment=memory_sweep", *sizes], True) == [
+        [f"memory={m}", "experiment=memory_sweep", *sizes]
+        for m in ("none", "amp", "accum", "truncate", "checkpoint", "chunked_ce", "[amp,accum]", "[amp,checkpoint]")]
+    assert plan.main(["-m", "memory=glob([amp,acc*])", *sizes]) == 0
+    assert sorted(line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("| a")) == ["| accum", "| amp"]  # (ranked by peak)
+    assert plan.main(["experiment=paper_base"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: data.train_prefix is required: add data.train_prefix=... "
+                                                    "to the command line"]
+
+
 @pytest.mark.parametrize("memory", ["tokens", "auto"])
 def test_plan_refuses_a_token_budget_below_the_longest_pair_as_training_does(memory, capsys):
     """A budget of 10 tokens cannot batch a pair of 41 (40 source tokens and </s>): training stops at its first
