@@ -186,7 +186,8 @@ def evaluated_on(summary: dict) -> str:
 
 def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
-    if scope := evaluated_on(job.summary):
+    scored = job.summary.get("valid_bleu") is not None or job.summary.get("test_bleu") is not None
+    if scored and (scope := evaluated_on(job.summary)):  # (a job that failed before scoring has none)
         text += f"; BLEU {scope}"
     if job.status is None and job.train_rows:
         text += f", logged up to step {job.train_rows[-1]['step']}"
@@ -300,6 +301,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tu
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
     jobs = load_sweep(sweep_dir)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
+    if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+        raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)
     shared = sorted(shared_overrides(jobs))
     counts = Counter(j.status or "no summary" for j in jobs)

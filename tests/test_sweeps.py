@@ -220,8 +220,10 @@ def test_the_plot_names_unfinished_jobs_in_plain_text_and_draws_a_lone_point(tmp
 def test_report_says_when_bleu_was_not_measured_on_the_whole_sets(tmp_path):
     sweep = tmp_path / "sweep"
     whole = {"sentences": {"test": 20}, "eval_pairs": {"valid": 20, "test": 20}}
-    for job, extra in (("0", whole), ("1", {"sentences": {"test": 20}, "eval_pairs": {"valid": 16, "test": 16}}),
-                       ("2", {**whole, "eval_pairs": {"valid": 64, "test": 64}, "overfit_batches": 1})):
+    limited = {"sentences": {"test": 20}, "eval_pairs": {"valid": 16, "test": 16}}
+    for job, extra in (("0", whole), ("1", limited),
+                       ("2", {**whole, "eval_pairs": {"valid": 64, "test": 64}, "overfit_batches": 1}),
+                       ("3", {**limited, "status": "failed", "test_bleu": None, "error": "RuntimeError: injected"})):
         (sweep / job).mkdir(parents=True)
         (sweep / job / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "none",
                                                               "test_bleu": 1.0, **extra}))
@@ -229,6 +231,11 @@ def test_report_says_when_bleu_was_not_measured_on_the_whole_sets(tmp_path):
     assert rows[0].endswith("| completed |")
     assert rows[1].endswith("| completed; BLEU on the first 16 pairs (trainer.limit_eval) |")
     assert rows[2].endswith("| completed; BLEU on the 64 training pairs it overfit (trainer.overfit_batches) |")
+    assert rows[3].endswith("| **failed**: RuntimeError: injected |")  # no BLEU measured: no scope of it
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(DataError, match=r"^--out \S+: not a directory"):
+            write_report(sweep, out)
 
 
 def test_report_names_what_it_cannot_read(tmp_path):

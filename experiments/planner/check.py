@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {args.device}: no CUDA device is visible here; check against the CPU with "
+                 "--device cpu")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     other = "cpu" if cuda else "cuda"

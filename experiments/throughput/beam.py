@@ -20,7 +20,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from src.checkpoint import load_translator  # noqa: E402
 from src.data.corpus import read_lines  # noqa: E402
+from src.errors import UserError  # noqa: E402
 from src.evaluate import score, translate  # noqa: E402
+
+
+def setting(text: str) -> tuple[int, float]:
+    """``beams:length_penalty``, as argparse reads one."""
+    try:
+        beams, alpha = text.split(":")
+        beams, alpha = int(beams), float(alpha)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: expected beams:length_penalty, e.g. 4:0.6") from None
+    if beams < 1 or alpha < 0:
+        raise argparse.ArgumentTypeError(f"{text}: beams must be >= 1 and the length penalty >= 0")
+    return beams, alpha
 
 
 def main() -> None:
@@ -28,25 +41,36 @@ def main() -> None:
     p.add_argument("checkpoint", nargs="+", help="a checkpoint, or several of one run to average")
     p.add_argument("--input", required=True)
     p.add_argument("--reference", required=True)
-    p.add_argument("--settings", nargs="*", default=["1:0", "4:0.6", "4:0", "8:0.6"])
+    p.add_argument("--settings", nargs="*", type=setting, default=[(1, 0.0), (4, 0.6), (4, 0.0), (8, 0.6)])
     p.add_argument("--repeat", type=int, default=2)
     args = p.parse_args()
-    model, src_codec, tgt_codec, _ = load_translator(args.checkpoint, torch.device("cpu"), None)
-    sources, references = read_lines(args.input), read_lines(args.reference)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: must be >= 1")
+    try:
+        model, src_codec, tgt_codec, ckpt = load_translator(args.checkpoint, torch.device("cpu"), None)
+        sources, references = read_lines(args.input), read_lines(args.reference)
+        if len(sources) != len(references):
+            raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    config = ckpt.get("config") or {}
+    run = config.get("trainer") or {}  # the run's length caps, as translate.py decodes
+    caps = {"max_len_a": run.get("max_len_a", 1.5), "max_len_b": run.get("max_len_b", 10)}
+    tgt_lang = (config.get("data") or {}).get("tgt_lang")
     names = " ".join(args.checkpoint)
-    print(f"{names}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{names}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"max length {caps['max_len_a']} x source + {caps['max_len_b']}")
     print("| beams | length penalty | BLEU | chrF | decoding (s) |\n|---|---|---|---|---|")
-    for setting in args.settings:
-        beams, alpha = setting.split(":")
+    for beams, alpha in args.settings:
         times = []
         for _ in range(args.repeat):
             start = time.perf_counter()
             with torch.inference_mode():
-                hyps = translate(model, sources, src_codec, tgt_codec, torch.device("cpu"), beam_size=int(beams),
-                                 alpha=float(alpha))
+                hyps = translate(model, sources, src_codec, tgt_codec, torch.device("cpu"), beam_size=beams,
+                                 alpha=alpha, **caps)
             times.append(time.perf_counter() - start)
-        s = score(hyps, references)
-        print(f"| {beams} | {alpha if int(beams) > 1 else '-'} | {s['bleu']:.2f} | {s['chrf']:.2f} | {min(times):.2f} |",
+        s = score(hyps, references, tgt_codec.lowercase, tgt_lang)  # as the run scored: cased or not
+        print(f"| {beams} | {alpha if beams > 1 else '-'} | {s['bleu']:.2f} | {s['chrf']:.2f} | {min(times):.2f} |",
               flush=True)
 
 

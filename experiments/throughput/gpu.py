@@ -53,12 +53,14 @@ def datasheet_peak(name: str) -> float | None:
     return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
 
 
-def sub(script: str, *args: str) -> None:
+def sub(script: str, *args: str) -> int:
+    """Runs a script of the repository; its exit status."""
     cmd = [sys.executable, str(ROOT / script), *args]
     print("$", " ".join(cmd), flush=True)
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT)
     print(f"({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
+    return proc.returncode
 
 
 def main() -> None:
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {args.device}: no CUDA device is visible here; rehearse with --device cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -123,22 +127,28 @@ def main() -> None:
     if "planner" not in args.skip:
         sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner"))
     if "determinism" not in args.skip:  # trainer.deterministic: does one seed give the same run twice?
-        losses = []
+        losses, exits = [], []
         for i in range(2):
             run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / f"deterministic_{i}"
-            sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+            exits.append(sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
                 *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
                 "memory=amp", "trainer.deterministic=true", "trainer.max_steps=20", "trainer.eval_every=20",
-                "trainer.log_every=1", "trainer.limit_eval=64")
+                "trainer.log_every=1", "trainer.limit_eval=64"))
             metrics = run_dir / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
             losses.append([r["loss"] for r in rows if "loss" in r])
-        results["determinism"] = {"steps": [len(x) for x in losses], "losses_equal": losses[0] == losses[1],
+        ran = exits == [0, 0] and losses[0] and len(losses[0]) == len(losses[1])  # else nothing was compared
+        results["determinism"] = {"exit_codes": exits, "steps": [len(x) for x in losses],
+                                  "losses_equal": bool(ran) and losses[0] == losses[1],
                                   "largest_difference": max((abs(a - b) for a, b in zip(*losses)), default=None)}
         print("determinism", results["determinism"], flush=True)
         write(results, out)
     if "compile" not in args.skip:  # last: compiling takes minutes, and the parts above matter more
         train_run("bf16+compile", ["memory=amp", "trainer.compile=true"], bf16_rate)
+
+
+def _mib(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f}"  # None: not measured (a CPU rehearsal), not 0
 
 
 def write(results: dict, out: Path) -> None:
@@ -154,13 +164,17 @@ def write(results: dict, out: Path) -> None:
     for label, r in results["runs"].items():
         sheet = f"{r['mfu_of_datasheet_bf16']:.1%}" if r["mfu_of_datasheet_bf16"] else "-"
         lines.append(f"| {label} ({r['steps']} steps) | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.4f} | "
-                     f"{r['peak_memory_mb'] or 0:,.0f} | {r['peak_reserved_mb'] or 0:,.0f} | {r['loss_last']:.3f} | "
+                     f"{_mib(r['peak_memory_mb'])} | {_mib(r['peak_reserved_mb'])} | {r['loss_last']:.3f} | "
                      f"{r['gflops_per_step']:,.1f} | {r['achieved_tflops']:.1f} | "
                      f"{r['mfu_of_measured_matmul']:.1%} | {sheet} |")
     if d := results.get("determinism"):
-        lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed ({d['steps']} logged steps): losses "
-                  f"{'equal to the bit' if d['losses_equal'] else 'differ'} (largest difference "
-                  f"{d['largest_difference']})."]
+        if d.get("exit_codes", [0, 0]) != [0, 0] or not all(d["steps"]) or len(set(d["steps"])) > 1:
+            lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed: not compared (exit statuses "
+                      f"{d.get('exit_codes')}, {d['steps']} logged steps; the runs' train.log say why)."]
+        else:
+            lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed ({d['steps']} logged steps): losses "
+                      f"{'equal to the bit' if d['losses_equal'] else 'differ'} (largest difference "
+                      f"{d['largest_difference']})."]
     write_text(out / "results_gpu.md", "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
