@@ -26,6 +26,7 @@ sys.path.insert(0, str(HERE))
 from run import ROOT, commit, reference  # noqa: E402
 from src import trainer as trainer_module  # noqa: E402
 from src.data.batching import batch_indices, epoch_batches, micro_batches, pair_sizes  # noqa: E402
+from src.errors import UserError  # noqa: E402
 from src.fileio import write_json, write_text  # noqa: E402
 from src.memory import TensorMemoryTracker, keep_freed_host_memory  # noqa: E402
 from src.run import build_model, build_optimizer  # noqa: E402
@@ -33,6 +34,7 @@ from src.trainer import Trainer  # noqa: E402
 
 # name: (what is undone, settings). The first runs before keep_freed_host_memory (process-wide, for good);
 # "as train.py runs it" is the trainer as train.py runs experiment=throughput_ref.
+BASELINE = "as train.py runs it"
 VARIANTS = {
     "glibc's default malloc": ("trainer.reuse_host_memory: freed memory kept for reuse, not unmapped",
                                {"malloc": "default"}),
@@ -84,6 +86,9 @@ def time_variant(settings: dict, conf: dict, strategy, encoded, split, warmup: i
         optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=False)
     trainer = Trainer(model, optimizer, scheduler, strategy, torch.device("cpu"), codec.pad_id,
                       conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"])
+    if len(batches) <= warmup:
+        raise UserError(f"--warmup {warmup} --steps {steps}: the epoch makes {len(batches)} batches; time fewer")
+    steps = len(batches) - warmup  # (fewer than asked where the epoch makes fewer batches)
     tokens = 0
     seconds = 0.0
     for i, mbs in enumerate(batches):
@@ -115,24 +120,35 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="variant names (default: all)")
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
+    if unknown := [name for name in args.only or [] if name not in VARIANTS]:
+        parser.error(f"--only {', '.join(unknown)}: no such variant; the variants are {', '.join(VARIANTS)}")
+    if args.warmup < 0 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: warmup must be >= 0 and steps >= 1")
     os.environ["MULTI30K_ROOT"] = args.root
-    conf, strategy, encoded, split = reference([])
+    try:
+        conf, strategy, encoded, split = reference([])
+    except UserError as e:
+        sys.exit(f"error: {e} (--root {args.root})")
     results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "warmup": args.warmup, "steps": args.steps, "variants": {}}
+    chosen = {*(args.only or VARIANTS), BASELINE}  # the trainer as it is, which every variant is compared to
     for name, (undone, settings) in VARIANTS.items():
         if settings.get("malloc") != "default":
             keep_freed_host_memory()  # as train.py does on the CPU (trainer.reuse_host_memory)
-        if args.only and name not in args.only:
+        if name not in chosen:
             continue
         autograd = settings.get("loss") == "autograd"
         with mock.patch.object(trainer_module, "label_smoothed_loss", autograd_loss) if autograd else nullcontext():
-            r = time_variant(settings, conf, strategy, encoded, split, args.warmup, args.steps)
+            try:
+                r = time_variant(settings, conf, strategy, encoded, split, args.warmup, args.steps)
+            except UserError as e:
+                sys.exit(f"error: {e}")
         results["variants"][name] = {"undoes": undone, **r}
         print(name, r, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "ablation.json", results)
-    base = results["variants"].get("as train.py runs it", next(iter(results["variants"].values())))["tokens_per_s"]
+    base = results["variants"][BASELINE]["tokens_per_s"]
     lines = [f"{results['date']}, commit {results['commit']}, torch {results['torch']}, "
              f"{results['threads']} threads (default); "
              f"{args.steps} steps timed after {args.warmup}, the same batches for every variant.", "",
