@@ -11,6 +11,8 @@ import torch
 def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10,
                 device: str | torch.device = "cpu") -> float:
     """FLOP/s of ``n x n`` matrix products in ``dtype`` on ``device`` (median-free: the mean of ``repeats``)."""
+    if n < 1 or repeats < 1:
+        raise ValueError(f"matmul_rate: n={n} and repeats={repeats} must be >= 1")
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm-up
     if torch.device(device).type == "cuda":

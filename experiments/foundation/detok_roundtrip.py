@@ -17,6 +17,7 @@ import sacrebleu
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from src.data.corpus import read_lines  # noqa: E402
+from src.errors import UserError  # noqa: E402
 from src.tokenizers import SpacyCodec  # noqa: E402
 
 
@@ -26,6 +27,13 @@ def main() -> None:
     p.add_argument("--langs", nargs="*", default=["en", "de", "fr", "cs"])
     p.add_argument("--show", type=int, default=2, help="lines that differ to print per split")
     args = p.parse_args()
+    try:
+        report(args)
+    except UserError as e:
+        sys.exit(f"error: {e} (--root {args.root}, --langs {' '.join(args.langs)})")
+
+
+def report(args: argparse.Namespace) -> None:
     print("| language | split | lines changed | BLEU of the joined references |\n|---|---|---|---|")
     for lang in args.langs:
         codec = SpacyCodec.build(read_lines(Path(args.root) / f"train.{lang}.gz"), lang, min_freq=2)

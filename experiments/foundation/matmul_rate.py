@@ -23,6 +23,8 @@ if __name__ == "__main__":
     p.add_argument("--size", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=10)
     args = p.parse_args()
+    if args.size < 1 or args.repeats < 1:
+        p.error(f"--size {args.size} --repeats {args.repeats}: both must be >= 1")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.size}x{args.size} matrices")
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         print(f"{name}: {rate(dtype, args.size, args.repeats):.0f} GFLOP/s")

@@ -206,9 +206,14 @@ def main() -> None:
             v = len(enc.src_codec)
             jobs.append((label, "xlmr", strategy(*label.split("+")), enc.splits["train"], idx[:32], v, v, True))
 
+    def chosen_by(label: str) -> bool:  # "tokens" chooses "tokens (1958)", the row named by its budget
+        return not args.only or any(chosen_by_name(label, name) for name in args.only)
+
+    if unknown := [name for name in args.only or [] if not any(chosen_by_name(j[0], name) for j in jobs)]:
+        sys.exit(f"error: --only {', '.join(unknown)}: no such row; the rows are {', '.join(j[0] for j in jobs)}")
     rows = []
     for label, vocab, chosen, split, batch_idx, src_v, tgt_v, shared in jobs:
-        if args.only and label not in args.only:
+        if not chosen_by(label):
             continue
         row = measure(label, chosen, vocab, src_v, tgt_v, shared, split, batch_idx, device)
         row["strategy"] = asdict(chosen)
@@ -223,6 +228,10 @@ def main() -> None:
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
     except ImportError:
         print("matplotlib not installed: no plot")
+
+
+def chosen_by_name(label: str, name: str) -> bool:
+    return label == name or label.startswith(f"{name} (")
 
 
 if __name__ == "__main__":
