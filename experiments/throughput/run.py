@@ -56,13 +56,19 @@ def run_train(run_dir: Path, overrides: list[str]) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
-    timed = [r for r in train if r["step"] > WARMUP]
+    # the windows logged after the first row at or past the warm-up: none of the warm-up steps is timed
+    start = next((r["step"] for r in train if r["step"] >= WARMUP), None)
+    timed = [r for r in train if start is not None and r["step"] > start]
+    if not timed:
+        sys.exit(f"{run_dir}: no steps were logged after the {WARMUP} warm-up steps ({summary['steps']} steps in "
+                 "all); train for more")
     seconds = sum(r["window_s"] for r in timed)
-    steps = timed[-1]["step"] - WARMUP
+    steps = timed[-1]["step"] - start
     flops = sum(r["model_tflops"] * 1e12 * r["window_s"] for r in timed)
     return {
         "command": "python " + " ".join(cmd[1:]), "wall_s": round(time.perf_counter() - started, 1),
         "tokens_per_s": round(sum(r["src_tokens"] + r["tgt_tokens"] for r in timed) / seconds, 1),
+        "timed_after_step": start,
         "s_per_step": round(seconds / steps, 4), "gflops_per_step": round(flops / steps / 1e9, 2),
         "achieved_gflops": round(flops / seconds / 1e9, 1), "steps": summary["steps"],
         "loss_last": round(train[-1]["loss"], 4),
@@ -99,6 +105,10 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run, e.g. trainer.compile=true")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args()
+    steps = [int(o.split("=")[1]) for o in args.extra if o.startswith("trainer.max_steps=") and o[18:].isdigit()]
+    if args.base and args.base_steps <= WARMUP or any(n <= WARMUP for n in steps):
+        parser.error(f"the runs are timed after {WARMUP} warm-up steps: give --base-steps and trainer.max_steps "
+                     f"above {WARMUP}")
     os.environ["MULTI30K_ROOT"] = args.root
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     runs = ROOT / "outputs" / "throughput" / stamp
@@ -117,19 +127,23 @@ def main() -> None:
         r["fraction_of_matmul_rate"] = round(r["achieved_gflops"] * 1e9 / rate, 3)
         results[name] = r
         print(name, r, flush=True)
+        write(results, [n for n in configs if n in results], Path(args.out))  # each run's figures as it ends
+    print((Path(args.out) / "results.md").read_text(), end="")
 
-    out = Path(args.out)
+
+def write(results: dict, configs: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", results)
     lines = [f"{results['date']}, commit {results['commit']}, {results['machine']}, torch {results['torch']}, "
              f"{results['threads']} threads; "
              f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s.", "",
-             "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak RSS (MB) | loss at last step | test BLEU | "
+             "| run | tokens/s (src+tgt, after the warm-up) | s/step | peak RSS (MB) | loss at last step | test BLEU | "
              "decode test (s) | GFLOP/step | achieved GFLOP/s | of matmul rate |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in configs:
         r = results[name]
-        lines.append(f"| {name} ({r['steps']} steps) | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
+        lines.append(f"| {name} ({r['steps']} steps, timed after {r['timed_after_step']}) | {r['tokens_per_s']:,.0f} | "
+                     f"{r['s_per_step']:.3f} | "
                      f"{r['peak_rss_mb']:,.0f} | {r['loss_last']:.3f} | {r['test_bleu']:.2f} | {r['test_decode_s']:.2f} | "
                      f"{r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['fraction_of_matmul_rate']:.1%} |")
     tokenized = [f"{name} {results[name]['tokenizing_peak_rss_mb']:,.0f} MB" for name in configs
@@ -138,7 +152,6 @@ def main() -> None:
         lines += ["", "Tokenized the corpus with spaCy in a child process, whose peak RSS (pages shared with the run "
                   f"counted in it too) is not in the table: {', '.join(tokenized)}."]
     write_text(out / "results.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
