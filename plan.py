@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(rows) == 1:
         job, conf, strategy, est, _ = rows[0]
         gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], context_gb(conf["plan"])
+        if strategy.auto:  # its choice is checked against the budget it was chosen for, not plan.gpu_gb
+            gpu = strategy.budget_gb
         print_one(*rows[0], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             print_fix(job, gpu, est)
@@ -93,9 +95,10 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
           f"MiB, backward {est.backward_delta / 2**20:+,.1f} MiB)")
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
+    key = "memory.budget_gb" if strategy.auto else "plan.gpu_gb"
     print(f"a GPU needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
-          f"{verdict} a {gpu:g} GB card (plan.gpu_gb)" if info["device"] == "cuda" else
-          f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB (plan.gpu_gb)")
+          f"{verdict} a {gpu:g} GB card ({key})" if info["device"] == "cuda" else
+          f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB ({key})")
     if "tried" in info:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
                                                  for t in info["tried"]))

@@ -501,3 +501,13 @@ def test_every_strategy_names_its_cost_and_a_budget_is_a_number():
     assert cost_note(MemoryStrategy(trim_vocab=True)).startswith("trim_vocab: pieces never seen in training")
     with pytest.raises(ConfigError, match=r"^memory.budget_gb=True: memory=auto needs the memory budget in GB"):
         MemoryStrategy(auto=True, budget_gb=True)
+
+
+def test_plan_checks_memory_autos_choice_against_its_budget(capsys):
+    """memory=auto memory.budget_gb=1: the verdict is against that budget (it said "fits a 12 GB card")."""
+    import plan
+
+    sizes = ["plan.src_len=20", "plan.tgt_len=20", "plan.src_vocab=100", "plan.tgt_vocab=100"]
+    assert plan.main(["memory=auto", "memory.budget_gb=1", *sizes]) == 0
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a GPU needs"))
+    assert verdict.endswith("fits a 1 GB card (memory.budget_gb)")
