@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from src.config_check import check_command_line, sweep_jobs
 from src.errors import UserError, error_lines
@@ -34,7 +35,8 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     first, then the command line's, as Hydra's basic sweeper takes them."""
     if not multirun:
         return [overrides]
-    fixed = [o for o in overrides if not sweep_jobs([o], True)[1:]]  # composable as they are: no lists, no globs
+    sweeps = {o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
+    fixed = [o for o in overrides if o not in sweeps]  # composable as they are: no lists, ranges or globs
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=fixed, return_hydra_config=True)
     preset = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
@@ -123,7 +125,8 @@ def print_table(rows) -> None:
     """One row per job, ranked by peak. What the jobs share (the card, the margins, the worst-case lengths, the
     device planned for) is said once; where a sweep varies it, each row says its own."""
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
-    plans = [r[1]["plan"] for r in ranked]
+    # memory=auto's row is checked against the budget it was chosen for (memory.budget_gb), the others against the card
+    plans = [{**r[1]["plan"], "gpu_gb": r[2].budget_gb} if r[2].auto else r[1]["plan"] for r in ranked]
     cards = {(p["gpu_gb"], p["overhead"], context_gb(p)) for p in plans}
     lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
     devices = {r[4]["device"] for r in ranked}

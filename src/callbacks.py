@@ -39,7 +39,7 @@ class SweepStatus(Callback):
         from .report import load_sweep
 
         try:
-            jobs = load_sweep(config.hydra.sweep.dir)
+            jobs = load_sweep(config.hydra.sweep.dir, latest_launch=True)
         except DataError as e:  # no job wrote anything: every one of them failed to start
             outcome.failed = [str(e)]
         else:
@@ -55,7 +55,7 @@ class SweepReport(Callback):
 
         sweep_dir = config.hydra.sweep.dir
         try:
-            md, png, table = write_report(sweep_dir)
+            md, png, table = write_report(sweep_dir, latest_launch=True)
         except Exception as e:  # the jobs' results stand without it; say why and how to retry
             log.warning("no sweep report (%s: %s); retry with python experiments/report.py %s",
                         type(e).__name__, e, sweep_dir)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # summary.json and the sweep report give and the final summary writes.
 METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max"}
 SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
-WANDB_MODES = ("online", "offline", "disabled", "shared")  # wandb.init's
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's (the last two: legacy names)
 WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
 
 

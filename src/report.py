@@ -111,15 +111,17 @@ def _read_yaml(path: Path):
         raise DataError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
 
 
-def load_sweep(sweep_dir: str | Path) -> list[Job]:
-    """Every job of a multirun directory (or a single run directory), in job order."""
+def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
+    """Every job of a multirun directory (or a single run directory), in job order. ``latest_launch``: at the end
+    of a sweep launched again into its directory (the callbacks), only the jobs of this launch, told by their
+    files' times against its ``multirun.yaml`` (not from a report run later on a copy, whose times are the copy's)."""
     root = Path(sweep_dir)
     if not root.is_dir():
         raise DataError(f"{root}: no such directory")
     candidates = [root] if _is_job(root) else [p for p in root.iterdir() if p.is_dir() and _is_job(p)]
     if not candidates:
         raise DataError(f"{root}: no runs found (expected job directories with summary.json or .hydra/)")
-    launched = _launched(root)
+    launched = _launched(root) if latest_launch else None
     if launched is not None:  # a sweep launched again into its directory: its earlier launch's jobs are not its own
         earlier = [p for p in candidates if _newest(p, ".hydra/overrides.yaml", ".hydra/config.yaml", "summary.json")
                    < launched]
@@ -297,9 +299,10 @@ def ran_on(jobs: list[Job]) -> str:
     return "Ran on:\n\n" + "".join(f"- job {name}: {text}\n" for name, text in seen.items()) + "\n"
 
 
-def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> tuple[Path, Path, str]:
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
+                 latest_launch: bool = False) -> tuple[Path, Path, str]:
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
-    jobs = load_sweep(sweep_dir)
+    jobs = load_sweep(sweep_dir, latest_launch)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
     if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")

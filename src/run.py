@@ -755,10 +755,11 @@ class TrainingRun:
         # memory.accum_steps as configured now (memory=accum added to fit): the checkpoint's only where an
         # out-of-memory back-off raised it above that (it ran out of memory with fewer)
         configured = self.strategy.accum_steps
-        if p.accum_steps != configured:
-            kept = p.accum_steps if p.backoffs and p.accum_steps > configured else configured
+        backed_off = p.backoffs[-1]["accum_steps"] if p.backoffs else 0  # the last back-off's: what fit then
+        kept = max(configured, backed_off)
+        if p.accum_steps != kept:
             log.info("accum_steps %d from here (the checkpoint's %d%s)", kept, p.accum_steps,
-                     ", raised by an out-of-memory back-off" if kept == p.accum_steps else "")
+                     ", raised by an out-of-memory back-off" if kept == backed_off > configured else "")
             p.accum_steps = kept
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)

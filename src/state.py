@@ -160,13 +160,13 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
 
 def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The newest step checkpoint in ``ckpt_dir`` that can be read, and its contents; each one passed over is
-    named in a warning. ``best.pt`` (a whole training state too) where it is newer than every step checkpoint:
-    with trainer.save_every above eval_every, a run killed between them may have no other."""
+    named in a warning. ``best.pt`` is one of them, by its step (a whole training state too): with
+    trainer.save_every above eval_every it can be the newest a killed run left."""
     candidates = step_checkpoints(ckpt_dir)
     best = ckpt_dir / "best.pt"
     best_step = checkpoint_step(best) if best.is_file() else None
-    if best_step is not None and (not candidates or best_step > candidates[0][0]):
-        candidates.insert(0, (best_step, best))
+    if best_step is not None:  # by its step among them; a step checkpoint of the same step comes first
+        candidates = sorted([*candidates, (best_step, best)], key=lambda c: (c[0], c[1] != best), reverse=True)
     for _, path in candidates:
         try:
             state = load_checkpoint(path)

@@ -235,6 +235,7 @@ def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     assert plan.jobs(["experiment=memory_sweep", *sizes], True) == [
         [f"memory={m}", "experiment=memory_sweep", *sizes]
         for m in ("none", "amp", "accum", "truncate", "checkpoint", "chunked_ce", "[amp,accum]", "[amp,checkpoint]")]
+    assert plan.jobs(["seed=choice(1)", *sizes], True) == [["seed=1", *sizes]]  # a sweep of one value
     assert plan.main(["-m", "memory=glob([amp,acc*])", *sizes]) == 0
     assert sorted(line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()
                   if line.startswith("| a")) == ["| accum", "| amp"]  # (ranked by peak)
@@ -511,3 +512,6 @@ def test_plan_checks_memory_autos_choice_against_its_budget(capsys):
     assert plan.main(["memory=auto", "memory.budget_gb=1", *sizes]) == 0
     verdict = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a GPU needs"))
     assert verdict.endswith("fits a 1 GB card (memory.budget_gb)")
+    assert plan.main(["-m", "memory=auto", "memory.budget_gb=1,2", *sizes]) == 0  # a row each, against its own
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| auto")]
+    assert len(rows) == 2 and {row.split(" | ")[-2] for row in rows} == {"yes (1 GB)", "yes (2 GB)"}

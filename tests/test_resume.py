@@ -134,7 +134,8 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     assert sorted(p.name for p in ckpts.glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt",
                                                                 "step_00000006.pt"]
     newest = ckpts / "step_00000006.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # a crash mid-copy, a full disk
+    for path in (newest, ckpts / "best.pt"):  # a full disk: both files of step 6 cut short (an intact best.pt of
+        path.write_bytes(path.read_bytes()[:1000])  # step 6 would be resumed from: the newest state there is)
     partial = ckpts / ".step_00000008.pt.x1y2z3.tmp"  # atomic_path's temporary file, the run killed while writing
     partial.write_bytes(b"\0" * 1000)
     with caplog.at_level(logging.WARNING):
@@ -237,7 +238,7 @@ def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, t
         train(fast_cfg(*steps, "trainer.max_steps=4"))
     assert (run / "wandb_run_id").read_text() == first_id and len(losses(run)) == 6
 
-    for path in (run / "checkpoints").glob("step_*.pt"):
+    for path in (run / "checkpoints").glob("*.pt"):  # best.pt too: an intact one would be resumed from
         path.write_bytes(path.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING):
         summary = train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"))

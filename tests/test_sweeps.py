@@ -399,7 +399,7 @@ def test_wandb_modes(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
         RunLogger(tmp_path / "online", {"mode": "online"}, {"a": 1}, name="none")
-    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared$"):
+    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared, dryrun, run$"):
         RunLogger(tmp_path / "typo", {"mode": "ofline"}, {"a": 1}, name="none")
 
 
@@ -453,7 +453,8 @@ def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path
     for job, written in (("0", (".hydra/overrides.yaml", "summary.json")), ("1", (".hydra/overrides.yaml",))):
         for f in written:
             os.utime(sweep / job / f, (1.5e9 + 60, 1.5e9 + 60))
-    jobs = load_sweep(sweep)
+    assert len(load_sweep(sweep)) == 3  # a report run later (on a copy, say) shows every job there
+    jobs = load_sweep(sweep, latest_launch=True)
     assert [(j.name, j.status) for j in jobs] == [("0", "completed"), ("1", None)]
     assert "1 job directory of an earlier launch of the sweep left out (2)" in caplog.text
     SweepStatus().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
@@ -461,4 +462,4 @@ def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path
     outcome.failed = None
     os.utime(sweep / "multirun.yaml")  # launched again now: none of its jobs has started
     with pytest.raises(DataError, match="no job of the sweep's latest launch wrote anything"):
-        load_sweep(sweep)
+        load_sweep(sweep, latest_launch=True)

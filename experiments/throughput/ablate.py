@@ -107,7 +107,7 @@ def time_variant(settings: dict, conf: dict, strategy, encoded, split, warmup: i
     torch.set_num_threads(threads)
     padded = sum(b.n_padded for mbs in batches for b in mbs)
     real = sum(b.n_src_tokens + b.n_tgt_tokens for mbs in batches for b in mbs)
-    return {"tokens_per_s": round(tokens / seconds, 1), "s_per_step": round(seconds / steps, 4),
+    return {"steps": steps, "tokens_per_s": round(tokens / seconds, 1), "s_per_step": round(seconds / steps, 4),
             "padding_ratio": round(1 - real / padded, 3), "last_loss_per_token": round(
                 stats.loss_sum.item() / stats.n_tgt_tokens, 4)}
 
@@ -151,7 +151,8 @@ def main() -> None:
     base = results["variants"][BASELINE]["tokens_per_s"]
     lines = [f"{results['date']}, commit {results['commit']}, torch {results['torch']}, "
              f"{results['threads']} threads (default); "
-             f"{args.steps} steps timed after {args.warmup}, the same batches for every variant.", "",
+             f"{results['variants'][BASELINE]['steps']} steps timed after {args.warmup} (fewer than --steps where "
+             "the epoch makes fewer batches), the same batches for every variant.", "",
              "| variant | undoes | tokens/s | s/step | against the trainer | padding |", "|---|---|---|---|---|---|"]
     for name, r in results["variants"].items():
         lines.append(f"| {name} | {r['undoes'] or '-'} | {r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
