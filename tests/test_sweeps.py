@@ -31,12 +31,12 @@ def wandb_file(run_dir: Path) -> Path:
 @pytest.mark.slow
 def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path, shared_cache):
     sweep = tmp_path / "sweep"
-    proc = run_cli("train.py", "-m", "memory=amp,accum", "logger=wandb", "logger.wandb.samples=3", "tags=[t1,t2]",
+    proc = run_cli("train.py", "-m", "memory=none,amp,accum", "logger=wandb", "logger.wandb.samples=3", "tags=[t1,t2]",
                    *FAST, f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}",
                    env_extra={"WANDB_API_KEY": SENTINEL})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    for job, label in (("0", "amp"), ("1", "accum")):  # the README's sweep
+    for job, label in (("0", "none"), ("1", "amp"), ("2", "accum")):  # the README's sweep, and the baseline
         run_dir = sweep / job
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["strategy"] == label
