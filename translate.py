@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
         kept = [i for i, line in enumerate(sources) if line.strip()]  # a blank line: an empty translation
         with torch.inference_mode():
-            decoded = [] if not kept else translate(model, [sources[i] for i in kept], src_codec, tgt_codec, device,
+            decoded = translate(model, [sources[i] for i in kept], src_codec, tgt_codec, device,
                                 batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
                                 alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
                                 max_len_b=decoding["max_len_b"],

@@ -304,7 +304,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
     jobs = load_sweep(sweep_dir, latest_launch)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
-    if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+    if any(p.exists() and not p.is_dir() for p in (out, *out.parents)):
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)
     shared = sorted(shared_overrides(jobs))

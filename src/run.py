@@ -721,10 +721,6 @@ class TrainingRun:
         # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
         self.plain: Transformer | None = None
 
-    @property
-    def vocab(self) -> dict[str, str]:
-        return {"src": self.src_codec.vocab_digest(), "tgt": self.tgt_codec.vocab_digest()}
-
     def _read_settings(self) -> None:
         """The trainer's settings the loop reads: when it stops, what it checkpoints, what a non-finite step does."""
         tr = self.tr
@@ -732,7 +728,7 @@ class TrainingRun:
         self.ckpt_dir = checkpoint_dir(self.run_dir)
         self.best_path = self.ckpt_dir / "best.pt"
         self.ckpt_meta = {"model_args": self.model.args.to_dict(), "strategy": asdict(self.strategy),
-                          "vocab": self.vocab,
+                          "vocab": {"src": self.src_codec.vocab_digest(), "tgt": self.tgt_codec.vocab_digest()},
                           "config": self.conf}
         self.save_every = tr.get("save_every") or tr.get("eval_every")
         self.keep_last, self.average_last = tr["keep_last"], tr.get("average_last")
@@ -742,7 +738,7 @@ class TrainingRun:
     def _resume(self, path: Path, ckpt: dict) -> None:
         """Continue from a checkpoint: its states, its progress and random generators; ``begin`` once it is accepted."""
         world, ckpt_dir, best_path = self.world, self.ckpt_dir, self.best_path
-        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.vocab)
+        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"])
         configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
         peak_lrs = list(self.scheduler.base_lrs)
         load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)

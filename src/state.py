@@ -186,10 +186,10 @@ FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init")
 EXACT_KEYS = ("seed", "data", "tokenizer", "memory", "optim")
 
 
-def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab: dict | None = None) -> None:
+def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_digests: dict | None = None) -> None:
     """Refuse, in one line, to load a checkpoint into a model of another shape or vocabulary (load_state_dict would
     fail with a page of size mismatches, or, for model.n_heads, load and compute something else; a vocabulary of
-    the same size whose ids stand for other words, ``vocab``'s digests, would load and train on); warn about the
+    the same size whose ids stand for other words, ``vocab_digests``, would load and train on); warn about the
     settings whose change makes the resumed run differ from an uninterrupted one."""
     saved = ckpt.get("model_args") or {}
     changed = [k for k in model_args if k not in FREE_MODEL_KEYS and k in saved and saved[k] != model_args[k]]
@@ -202,7 +202,8 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab:
             + ("; the data or tokenizer settings differ from that run's" if vocab else "")
             + ": resume with that run's settings (its config.yaml), or start over (trainer.resume=never)")
     saved_vocab = ckpt.get("vocab") or {}  # (none in checkpoints written before it was kept)
-    other = [side for side in ("src", "tgt") if vocab and side in saved_vocab and saved_vocab[side] != vocab[side]]
+    other = [side for side in ("src", "tgt")
+             if vocab_digests and side in saved_vocab and saved_vocab[side] != vocab_digests[side]]
     if other:
         raise ConfigError(
             f"{path}: written with another {' and '.join({'src': 'source', 'tgt': 'target'}[s] for s in other)} "

@@ -127,6 +127,7 @@ def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog
     assert not {codec.bos_id, codec.eos_id, codec.pad_id} & set(ids) and ids.count(codec.unk_id) == 3
     assert [i for i in ids if i != codec.unk_id] == [i for i in plain if i != codec.unk_id]
     assert "3 special token(s)" in caplog.text
+    assert codec.encode([]) == []  # translate.py's input of blank lines only: no sentence to encode
 
 
 def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):

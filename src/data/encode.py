@@ -120,7 +120,7 @@ def tokenizer_files_digest(tokenizer: dict) -> str | None:
     paths = [tokenizer.get("name_or_path")] if tokenizer.get("name") == "xlmr" else []
     models = tokenizer.get("models") or {}
     paths += [models[lang] for lang in sorted(models)]
-    dirs = [Path(p).expanduser() for p in paths if p and Path(p).expanduser().is_dir()]
+    dirs = [d for d in (Path(p).expanduser() for p in paths if p) if d.is_dir()]
     if not dirs:
         return None
     h = hashlib.sha256()
