@@ -25,12 +25,17 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def every_job_waited_for() -> Iterator[None]:
-    """While launching: ``Job.results()`` of a job that ended without a result is a NaN, logged, not an error."""
+def every_job_waited_for(results_timeout_s: float | None = None) -> Iterator[None]:
+    """While launching: ``Job.results()`` of a job that ended without a result is a NaN, logged, not an error.
+
+    ``results_timeout_s``: how long submitit waits for an ended job's result file to show before it calls the job
+    one without a result (its own 15 s where None: a cluster's shared file system may show the file late)."""
     import submitit
     from submitit.core.utils import UncompletedJobError
 
-    results = submitit.Job.results
+    results, timeout = submitit.Job.results, submitit.Job._results_timeout_s
+    if results_timeout_s is not None:
+        submitit.Job._results_timeout_s = results_timeout_s
 
     def results_or_nan(job: submitit.Job) -> list:
         try:
@@ -44,12 +49,15 @@ def every_job_waited_for() -> Iterator[None]:
     try:
         yield
     finally:
-        submitit.Job.results = results
+        submitit.Job.results, submitit.Job._results_timeout_s = results, timeout
 
 
 class _WaitsForEveryJob:
+    def _waiting(self) -> contextlib.AbstractContextManager:
+        return every_job_waited_for()
+
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        with every_job_waited_for():
+        with self._waiting():
             return super().launch(job_overrides, initial_job_idx)
 
 
@@ -58,4 +66,7 @@ class SlurmLauncher(_WaitsForEveryJob, submitit_launcher.SlurmLauncher):
 
 
 class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
-    pass
+    def _waiting(self) -> contextlib.AbstractContextManager:
+        # A local job is a process of this host, done when it has exited: by then its result file is written, or
+        # it never will be (killed), so waiting 15 s for the file to show is waiting for nothing.
+        return every_job_waited_for(results_timeout_s=1)

@@ -7,6 +7,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+# pytest-xdist (pyproject.toml's addopts) runs a worker per core. Each worker's torch, and the runs it starts, take
+# that worker's share of the cores: with PyTorch's default of a thread per core, 2 workers on 2 cores took as long
+# as 1 (9 minutes, the threads of small kernels waiting on each other); with a thread each, 5. Set before torch is
+# imported, which reads it then; the processes the tests start inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

@@ -39,6 +39,20 @@ def test_the_slurm_preset_extends_submitits_launcher():
     assert OmegaConf.to_container(cfg)["submitit_folder"].startswith("${hydra.sweep.dir}")
 
 
+def test_only_the_local_launcher_gives_up_waiting_for_a_result_file_after_a_second():
+    """A local job has exited when it is waited for: its result file is there or will never be (a job killed outright
+    cost the sweep submitit's 15 s wait for it). On a cluster the shared file system may show the file late."""
+    import submitit
+
+    from hydra_plugins.fit_transformer_launchers import LocalLauncher, SlurmLauncher
+
+    waits = []
+    for launcher_class in (LocalLauncher, SlurmLauncher):
+        with launcher_class._waiting(None):
+            waits.append(submitit.Job._results_timeout_s)
+    assert waits == [1, 15] and submitit.Job._results_timeout_s == 15
+
+
 def test_train_py_composes_the_slurm_launcher_on_the_command_line():
     # Hydra refuses -m with --cfg; hydra.mode=MULTIRUN composes the sweep's config instead
     proc = run_cli("train.py", "hydra.mode=MULTIRUN", "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
