@@ -219,12 +219,21 @@ def test_train_py_gives_up_on_out_of_memory_in_one_message(tmp_path, shared_cach
 
 
 def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
-    """One line, without PyTorch's advice to load the file with weights_only=False (which would run its code)."""
+    """One line, without PyTorch's advice to load the file with weights_only=False (which would run its code); a
+    text file given where a checkpoint goes (the sentences, without --input) is named as such."""
+    import argparse
+
     text = tmp_path / "test.de"
     text.write_text("Ein Hund läuft.\n")
     assert translate.main([str(text), "--input", str(text), "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        f"error: {text}: not a readable checkpoint (not a checkpoint written by train.py: it holds other data than "
+        f"error: {text}: not a checkpoint (not a zip archive, as torch.save writes; the sentences to translate go "
+        "with --input)"]
+    code = tmp_path / "code.pt"
+    torch.save({"model": argparse.Namespace()}, code)  # loading it would need weights_only=False
+    assert translate.main([str(code), "--input", str(text), "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {code}: not a readable checkpoint (not a checkpoint written by train.py: it holds other data than "
         "tensors and plain values, or none)"]
 
 
