@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -785,16 +786,23 @@ class TrainingRun:
         def plain(v):
             return tuple(v) if isinstance(v, (list, tuple)) else v  # betas: a list once saved
 
-        changed = sorted({k for g, want in zip(self.optimizer.param_groups, configured) for k in want
-                          if plain(g[k]) != plain(want[k])} | ({"lr"} if list(sched.base_lrs) != peak_lrs else set()))
+        groups = self.optimizer.param_groups
+        # the learning rate of the step resumed at by this run's schedule: the scheduler's state is its step, its
+        # schedule is the config's (a warmup_steps of its own changes the rate without changing the peak)
+        now = [peak * factor(sched.last_epoch) for peak, factor in zip(peak_lrs, sched.lr_lambdas)]
+        changed = {k for g, want in zip(groups, configured) for k in want if plain(g[k]) != plain(want[k])}
+        if list(sched.base_lrs) != peak_lrs:
+            changed.add("lr")
+        elif not all(math.isclose(g["lr"], lr, rel_tol=1e-9) for g, lr in zip(groups, now)):
+            changed.add("warmup_steps")
         if not changed:
             return
-        for g, want, peak, factor in zip(self.optimizer.param_groups, configured, peak_lrs, sched.lr_lambdas):
+        for g, want, peak, lr in zip(groups, configured, peak_lrs, now):
             g.update(want)
-            g["initial_lr"], g["lr"] = peak, peak * factor(sched.last_epoch)
+            g["initial_lr"], g["lr"] = peak, lr
         sched.base_lrs, sched._last_lr = peak_lrs, [g["lr"] for g in self.optimizer.param_groups]
         log.warning("resumed with other optimizer settings than the checkpoint's (%s): this run's apply from here on",
-                    ", ".join(changed))
+                    ", ".join(sorted(changed)))
 
     def _start(self) -> None:
         """The tokenizer's files, the log from the step the run starts at, and the progress bar."""

@@ -110,6 +110,23 @@ def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_t
     assert "accum_steps 2 from here (the checkpoint's 1)" in caplog.text
 
 
+def test_a_run_resumed_with_another_warmup_trains_at_its_rate_from_the_first_step(fast_cfg, tmp_path, shared_cache,
+                                                                                 caplog):
+    """The peak learning rate unchanged, only the schedule's warmup: the first resumed step already runs at the
+    new schedule's rate (it ran at the checkpoint's, the new schedule applying from the step after)."""
+    train(fast_cfg("trainer.max_steps=4", "trainer.log_every=1"))
+    new = ["trainer.max_steps=6", "trainer.log_every=1", "optim.warmup_steps=2"]
+    with caplog.at_level(logging.INFO):
+        train(fast_cfg(*new, "trainer.resume=auto"))
+    fresh = train(compose_config(*FAST, *new, run_dir=tmp_path / "fresh", cache_dir=shared_cache))
+    assert fresh["status"] == "completed"
+    lrs = [{r["step"]: r["lr"] for r in read_jsonl(d / "metrics.jsonl") if "lr" in r} for d in (tmp_path / "run",
+                                                                                                 tmp_path / "fresh")]
+    assert [lrs[0][s] for s in (5, 6)] == [lrs[1][s] for s in (5, 6)] == pytest.approx([5e-4 * (2 / 5) ** 0.5,
+                                                                                         5e-4 * (2 / 6) ** 0.5])
+    assert "other optimizer settings than the checkpoint's (warmup_steps)" in caplog.text
+
+
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared_cache):
     run = tmp_path / "run"
