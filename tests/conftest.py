@@ -70,13 +70,14 @@ def xlmr_dir(tmp_path_factory) -> Path:
     return make_xlmr_tokenizer(tmp_path_factory.mktemp("xlmr"))
 
 
-def make_xlmr_tokenizer(out: Path, vocab_size: int = 500) -> Path:
+def make_xlmr_tokenizer(out: Path, vocab_size: int = 500, seed: int = 7) -> Path:
+    """An XLM-R-class tokenizer (XLM-R's special pieces and ids) of a unigram model trained on synthetic text."""
     import sentencepiece as spm
     from transformers import XLMRobertaTokenizer
 
     from src.data.synthetic import LengthDistribution, generate_corpus
 
-    pairs = generate_corpus({"train": 3000}, seed=7, lengths=LengthDistribution())["train"]
+    pairs = generate_corpus({"train": 3000}, seed=seed, lengths=LengthDistribution())["train"]
     text = [s for pair in pairs for s in pair]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(

@@ -117,6 +117,10 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
     # what a checkpoint's ids stand for: the same for the same tokenizer loaded again, another for another one
     assert again.vocab_digest() == src.vocab_digest()
     assert HFCodec(str(make_xlmr_tokenizer(tmp_path / "other", vocab_size=400))).vocab_digest() != src.vocab_digest()
+    same_size = HFCodec(str(make_xlmr_tokenizer(tmp_path / "same_size", seed=8)))  # other text: other pieces
+    assert len(same_size) == len(src) and same_size.tok.convert_ids_to_tokens(list(range(len(src)))) != \
+        src.tok.convert_ids_to_tokens(list(range(len(src))))
+    assert same_size.vocab_digest() != src.vocab_digest()
 
 
 def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog):
