@@ -2,7 +2,8 @@
 sacreBLEU.
 
 Hypotheses are detokenized by the target tokenizer and scored against the raw reference text with sacreBLEU's
-corpus BLEU and chrF (default settings, 13a tokenization), whose signatures are recorded with the scores.
+corpus BLEU and chrF (sacreBLEU's defaults; BLEU tokenizes as ``bleu_metric`` says: 13a, or the target language's
+own tokenizer for Chinese, Japanese and Korean), whose signatures are recorded with the scores.
 """
 
 from __future__ import annotations
@@ -177,7 +178,11 @@ def beam_search(
         history = torch.cat([history[rows], token.view(-1, 1)], dim=1)
         model.reorder_cache(caches, rows, keep)
         tokens = token.view(-1, 1)
-    best = [max(f, key=lambda h: h[0]) for f in finished]
+    for s, f in enumerate(finished):
+        if not f and limit[s] > 0:  # every candidate was NaN or -inf: set aside, none would have finished
+            raise FloatingPointError(f"beam search: no hypothesis of sentence {s} has a finite score (the model's "
+                                     "outputs are NaN or infinite)")
+    best = [max(f, key=lambda h: h[0]) if f else (0.0, []) for f in finished]  # max_len 0: empty, as greedy
     out = torch.full((batch, max(len(ids) for _, ids in best)), pad_id, dtype=torch.long, device=device)
     for i, (_, ids) in enumerate(best):
         out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
