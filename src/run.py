@@ -896,10 +896,13 @@ class TrainingRun:
         for attempt in range(retries + 1):
             micro = micro_batches(self.train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
                                   tgt_codec.eos_id)
+            parts = len(micro)
+            if self.strategy.fsdp and world.distributed:  # as many forward and backward passes on every rank
+                micro += micro[-1:] * (max(min(p.accum_steps, len(b)) for b in group) - parts)
             try:
                 with peak.measure(step):
                     self.fault.maybe_raise(step, self.trainer)
-                    stats = self.trainer.step(micro, step_tokens, real)
+                    stats = self.trainer.step(micro, step_tokens, real, real_parts=parts)
                 peak.record_history(False)  # after a back-off: the step was redone
                 return stats
             except torch.OutOfMemoryError as e:

@@ -252,24 +252,28 @@ class Trainer:
             config.cpp.simdlen = cpu_vec_isa.pick_vec_isa().bit_width()
         self.net.compile(dynamic=True)
 
-    def step(self, micro_batches: list[Batch], step_tgt_tokens: int | None = None, real: bool = True) -> StepStats:
+    def step(self, micro_batches: list[Batch], step_tgt_tokens: int | None = None, real: bool = True,
+             real_parts: int | None = None) -> StepStats:
         """One optimizer step over the micro-batches of one batch.
 
         Data-parallel: ``step_tgt_tokens`` are the target tokens of the step's batches on all ranks, the loss's
         divisor; gradients are synchronized once, during the last micro-batch's backward. ``real=False`` (an
-        epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0.
+        epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0; so
+        do the micro-batches after the first ``real_parts`` (FSDP: a rank whose batch has fewer pairs than
+        accum_steps repeats one, as every micro-batch's forward and backward run collectives on every rank).
         With ``agree_on_oom`` (torchrun with memory.oom_retries set), no backward synchronizes: the ranks then
         learn whether any of them ran out of memory (one host all-reduce) and either all raise
         ``torch.OutOfMemoryError``, to redo the step together, or average their gradients (``average_gradients``)."""
         model, opt, scaler = self.model, self.optimizer, self.scaler
         model.train()
-        local_tokens = sum(b.n_tgt_tokens for b in micro_batches)
+        counted = micro_batches[:real_parts] if real else []
+        local_tokens = sum(b.n_tgt_tokens for b in counted)
         # DDP averages the gradients over the ranks; dividing by tokens / ranks leaves the sum over all tokens
         divisor = (step_tgt_tokens or local_tokens) / (self.world.size if self.world.distributed else 1)
         agree = self.agree_on_oom and self.world.distributed
         oom = None
         try:
-            loss_total, nll_total = self._forward_backward(micro_batches, divisor, real, sync_last=not agree)
+            loss_total, nll_total = self._forward_backward(micro_batches, divisor, len(counted), sync_last=not agree)
         except torch.OutOfMemoryError as e:
             if not agree:
                 raise
@@ -291,10 +295,10 @@ class Trainer:
         lr = self.lr
         if not (skipped or nonfinite):  # the schedule counts the optimizer steps actually taken
             self.scheduler.step()
-        n_src = sum(b.n_src_tokens for b in micro_batches) * real
-        n_padded = sum(b.n_padded for b in micro_batches) * real
-        flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in micro_batches) * real
-        return StepStats(loss_total, nll_total, local_tokens * real, n_src, n_padded, grad_norm.detach(), skipped,
+        n_src = sum(b.n_src_tokens for b in counted)
+        n_padded = sum(b.n_padded for b in counted)
+        flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in counted)
+        return StepStats(loss_total, nll_total, local_tokens, n_src, n_padded, grad_norm.detach(), skipped,
                          nonfinite, flops, lr)
 
     def _update(self, loss_total: Tensor) -> tuple[bool, Tensor]:
@@ -337,10 +341,11 @@ class Trainer:
             return bool(torch.isfinite(grad_norm))
         return bool(torch.isfinite(loss_total + grad_norm))
 
-    def _forward_backward(self, micro_batches: list[Batch], divisor: float, real: bool, sync_last: bool
+    def _forward_backward(self, micro_batches: list[Batch], divisor: float, real_parts: int, sync_last: bool
                           ) -> tuple[Tensor, Tensor]:
-        """Forward and backward of each micro-batch, gradients accumulated; DDP synchronizes them in the last
-        backward if ``sync_last``. Returns the summed loss and NLL."""
+        """Forward and backward of each micro-batch, gradients accumulated (those after the first ``real_parts``
+        with a loss multiplied by 0); DDP synchronizes them in the last backward if ``sync_last``. Returns the
+        summed loss and NLL of the real ones."""
         loss_total = torch.zeros((), device=self.device)
         nll_total = torch.zeros((), device=self.device)
         mark = self.ledger or (lambda point: None)
@@ -362,6 +367,7 @@ class Trainer:
                 if self.inject_nonfinite:
                     loss_sum, self.inject_nonfinite = loss_sum * float("nan"), False
                 mark("forward_end")
+                real = i < real_parts
                 with region("backward"):
                     self.scaler.scale(loss_sum / divisor if real else loss_sum * 0.0).backward()
                 mark("backward_end")

@@ -20,7 +20,7 @@ from src.memory import MemoryStrategy, memory_strategy
 
 from .conftest import FAST, compose_config
 from .ddp_worker import ORDER
-from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer
+from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer, read_jsonl
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
 
@@ -279,6 +279,25 @@ def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_
     after = json.loads((run / "summary.json").read_text())
     assert after["status"] == "completed" and after["resumed_from"]["step"] == after["steps"] == 8
     assert (after["test_bleu"], after["best_step"]) == (before["test_bleu"], before["best_step"])
+
+
+@pytest.mark.slow
+def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_like_ddp(tmp_path, shared_cache):
+    """194 pairs in batches of 64: the epoch's fourth batch has 2 pairs, 2 micro-batches where the other rank's
+    batch makes 4. Every micro-batch's forward and backward runs FSDP's collectives, so the rank with fewer waited
+    for the other's third forever (a hang, until the process group's 30-minute timeout): it now repeats one with
+    its loss multiplied by 0, and the run's losses are DDP's."""
+    run = [*FAST, "data.train_size=194", "data.batch_size=64", "memory.accum_steps=4", "trainer.max_steps=2",
+           "trainer.log_every=1", "trainer.eval_every=2", "logger=none", f"paths.cache_dir={shared_cache}"]
+    for name, memory in (("ddp", "memory=accum"), ("fsdp", "memory=[fsdp,accum]")):
+        proc = torchrun(str(ROOT / "train.py"), *run, memory, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp, fsdp = (losses(tmp_path / name) for name in ("ddp", "fsdp"))
+    assert [s for s, _ in fsdp] == [s for s, _ in ddp] == [1, 2]
+    assert [v for _, v in fsdp] == pytest.approx([v for _, v in ddp], rel=1e-5)
+    tokens = [[r["src_tokens"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+              for name in ("ddp", "fsdp")]
+    assert tokens[0] == tokens[1]  # the repeated micro-batch is not counted
 
 
 def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(worker_cases):
