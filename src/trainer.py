@@ -104,6 +104,7 @@ def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id
         return label_smoothed_loss(generator(hidden), target, pad_id, epsilon)
 
 
+@torch.compiler.disable  # trainer.compile: Dynamo cannot trace the checkpointed loss (AssertionError at step 1)
 def chunked_loss(
     generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float, chunk: int
 ) -> tuple[Tensor, Tensor]:
@@ -111,7 +112,8 @@ def chunked_loss(
 
     Only the non-pad positions are projected, ``chunk`` of them at a time; each chunk is checkpointed, so its
     logits are freed once its loss is known and recomputed one chunk at a time in backward. Peak logits memory
-    falls from ``tokens x vocabulary`` to ``chunk x vocabulary``, for one more output projection."""
+    falls from ``tokens x vocabulary`` to ``chunk x vocabulary``, for one more output projection. Runs eagerly
+    under ``trainer.compile`` (the model's layers before it are compiled)."""
     keep = (target != pad_id).flatten().nonzero().squeeze(1)  # the planner's fake nonzero keeps every position
     h, t = hidden.flatten(0, 1).index_select(0, keep), target.flatten().index_select(0, keep)
     loss = nll = hidden.new_zeros((), dtype=torch.float32)
