@@ -912,12 +912,20 @@ class TrainingRun:
                 largest = max(len(part) for b in group for part in split_batch(b, sizes, p.accum_steps))
                 # under torchrun, one rank's error after the ranks agreed to go on (averaging the gradients, the
                 # optimizer step) cannot be redone: the others have taken the step; the run stops, not desyncs
-                alone = world.distributed and not isinstance(e, AgreedOutOfMemoryError)
+                alone = world.distributed and retries > 0 and not isinstance(e, AgreedOutOfMemoryError)
                 if attempt == retries or largest == 1 or alone:
                     rank = f"_rank{world.rank}" if world.distributed else ""
                     snapshot = peak.snapshot(self.run_dir / f"oom_snapshot{rank}")
-                    where = (f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can "
-                             "redo the step then)" if alone else f"after {len(p.backoffs)} back-off(s)")
+                    if alone:
+                        where = (f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can "
+                                 "redo the step then)")
+                    elif world.distributed and retries == 0:
+                        setting = ("memory.oom_retries=0" if self.strategy.oom_retries == 0
+                                   else "memory.oom_retries is not set: none by default there")
+                        where = (f"on rank {world.rank} without back-off under torchrun ({setting}; "
+                                 "memory.oom_retries=3 has every rank redo the step with twice the accumulation)")
+                    else:
+                        where = f"after {len(p.backoffs)} back-off(s)"
                     raise torch.OutOfMemoryError(
                         f"out of memory at step {step} with micro-batches of up to {largest} pairs "
                         f"(accum_steps {p.accum_steps}) {where}: {reason}"

@@ -156,6 +156,21 @@ def test_out_of_memory_on_one_rank_in_the_update_stops_the_run_instead_of_redoin
     assert summary["status"] == "failed" and summary["steps"] <= 3 and not summary.get("oom_backoffs")
 
 
+@pytest.mark.slow
+def test_out_of_memory_under_torchrun_without_back_off_says_how_to_have_it(tmp_path, shared_cache):
+    """Back-off is off under torchrun unless memory.oom_retries is set: an error in forward on both ranks says
+    so, not that one rank ran out alone after the gradients were averaged (what it said)."""
+    proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "logger=none",
+                    "fault.kind=oom", "fault.at_step=2", f"hydra.run.dir={tmp_path / 'run'}",
+                    f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert ("out of memory at step 2 with micro-batches of up to 16 pairs (accum_steps 1) on rank 0 without "
+            "back-off under torchrun (memory.oom_retries is not set: none by default there; memory.oom_retries=3 "
+            "has every rank redo the step with twice the accumulation)") in proc.stdout + proc.stderr, \
+        proc.stderr[-3000:]
+    assert "alone" not in proc.stdout + proc.stderr
+
+
 SIGNALLED = [*FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5", "trainer.save_every=10",
              "logger=none"]
 
