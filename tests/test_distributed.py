@@ -311,8 +311,8 @@ def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_
 
 @pytest.mark.slow
 def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_like_ddp(tmp_path, shared_cache):
-    """194 pairs in batches of 64: the epoch's fourth batch has 2 pairs, 2 micro-batches where the other rank's
-    batch makes 4. Every micro-batch's forward and backward runs FSDP's collectives, so the rank with fewer waited
+    """194 pairs in batches of 64: one batch of the epoch has 2 pairs, 2 micro-batches where the other rank's 64
+    make 4 (in step 2: without the repeated micro-batch, this test timed out). Every micro-batch's forward and backward runs FSDP's collectives, so the rank with fewer waited
     for the other's third forever (a hang, until the process group's 30-minute timeout): it now repeats one with
     its loss multiplied by 0, and the run's losses are DDP's."""
     run = [*FAST, "data.train_size=194", "data.batch_size=64", "memory.accum_steps=4", "trainer.max_steps=2",
