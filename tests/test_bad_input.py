@@ -224,11 +224,24 @@ def test_a_gpu_index_beyond_those_visible(monkeypatch):
         resolve_device("cuda:x")
 
 
-def test_bom_and_crlf_are_read_as_plain_text(tmp_path):
-    data = data_dir(tmp_path, {"train.de": "\ufeffein Satz\r\nzwei Sätze\r\n".encode()})
-    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=1", "trainer.eval_every=1",
-                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
-    assert train(cfg)["status"] == "completed"
+def test_bom_and_crlf_are_read_as_plain_text(tmp_path, caplog):
+    """A run on a file with a byte-order mark and CRLF line ends learns the vocabulary of the same text without
+    them: no word glued to U+FEFF, no carriage return read as a space (with a warning)."""
+    import logging
+
+    from src.tokenizers import load_codecs
+
+    vocabularies = []
+    for name, text in (("plain", b"ein Satz\nzwei S\xc3\xa4tze\n"), ("bom_crlf", b"\xef\xbb\xbfein Satz\r\nzwei S\xc3\xa4tze\r\n")):
+        (tmp_path / name).mkdir()
+        data = data_dir(tmp_path / name, {"train.de": text})
+        cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=1", "trainer.eval_every=1",
+                             "tokenizer.min_freq=1", run_dir=tmp_path / name / "run", cache_dir=tmp_path / "cache")
+        with caplog.at_level(logging.WARNING):
+            assert train(cfg)["status"] == "completed"
+        vocabularies.append(load_codecs(tmp_path / name / "run" / "tokenizer")[0].itos)
+    assert "ein" in vocabularies[0] and vocabularies[1] == vocabularies[0]
+    assert "carriage return" not in caplog.text.lower() and "\r" not in caplog.text
 
 
 def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
