@@ -486,20 +486,22 @@ def test_deterministic_holds_for_the_run_only(fast_cfg, monkeypatch):
     assert [on for on, _ in seen] == [True] and not torch.are_deterministic_algorithms_enabled()  # step 1
 
 
-def test_a_failed_runs_progress_bar_is_closed(fast_cfg):
+def test_a_failed_runs_progress_bar_is_closed(fast_cfg, monkeypatch):
     """A sweep's jobs share the process: a job that fails closes its progress bar, so that the next job's bar
-    takes its place instead of the line below it."""
-    import gc
+    takes its place instead of the line below it. The bars are held here, so that none is closed by being
+    freed (tqdm closes a bar it deletes: the test passed without the close)."""
+    import src.run
 
-    from tqdm import tqdm
+    bars, make = [], src.run.tqdm
 
-    gc.disable()  # the bar sits in a reference cycle: the cycle collector's timing would decide otherwise
-    try:
-        with pytest.raises(RuntimeError, match="injected failure"):
-            train(fast_cfg("trainer.progress=true", "fault.kind=error", "fault.at_step=2"))
-        assert not [bar for bar in tqdm._instances if bar.desc == "none"]
-    finally:
-        gc.enable()
+    def held(*args, **kwargs):
+        bars.append(make(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(src.run, "tqdm", held)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(fast_cfg("trainer.progress=true", "fault.kind=error", "fault.at_step=2"))
+    assert len(bars) == 1 and bars[0].disable  # closed: tqdm marks a closed bar disabled
 
 
 def test_bleu_tokenizes_the_target_language_as_sacrebleu_does():
