@@ -4,7 +4,6 @@ checkpoint can never run code when it is loaded."""
 from __future__ import annotations
 
 import pickle
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,9 +77,11 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     try:
         ckpt = load_checkpoint(path, device)
     except Exception as e:
-        if not zipfile.is_zipfile(path):  # torch.save writes zip archives: a text file given as a checkpoint?
-            raise UserError(f"{path}: not a checkpoint (not a zip archive, as torch.save writes; the sentences to "
-                            "translate go with --input)") from None
+        with path.open("rb") as f:
+            zipped = f.read(4) == b"PK\x03\x04"
+        if not zipped:  # torch.save writes zip archives: a text file given as a checkpoint? (not a truncated one)
+            raise UserError(f"{path}: not a checkpoint (not a zip archive, as torch.save writes: a text file? "
+                            "translate.py takes its sentences with --input)") from None
         raise UserError(f"{path}: not a readable checkpoint ({unreadable_because(e)})") from None
     if not isinstance(ckpt, dict) or not {"model", "model_args"} <= ckpt.keys():
         raise UserError(f"{path}: not a checkpoint written by train.py (it has no model settings and weights: "

@@ -919,6 +919,9 @@ class TrainingRun:
                     if alone:
                         where = (f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can "
                                  "redo the step then)")
+                    elif world.distributed and self.strategy.fsdp:
+                        where = (f"on rank {world.rank}: memory=fsdp takes no back-off (memory.oom_retries); raise "
+                                 "memory.accum_steps, or plan one with memory=[fsdp,auto]")
                     elif world.distributed and retries == 0:
                         setting = ("memory.oom_retries=0" if self.strategy.oom_retries == 0
                                    else "memory.oom_retries is not set: none by default there")

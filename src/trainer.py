@@ -104,7 +104,6 @@ def _projected_loss(generator: nn.Module, hidden: Tensor, target: Tensor, pad_id
         return label_smoothed_loss(generator(hidden), target, pad_id, epsilon)
 
 
-@torch.compiler.disable  # trainer.compile: Dynamo cannot trace the checkpointed loss (AssertionError at step 1)
 def chunked_loss(
     generator: nn.Module, hidden: Tensor, target: Tensor, pad_id: int, epsilon: float, chunk: int
 ) -> tuple[Tensor, Tensor]:
@@ -113,7 +112,7 @@ def chunked_loss(
     Only the non-pad positions are projected, ``chunk`` of them at a time; each chunk is checkpointed, so its
     logits are freed once its loss is known and recomputed one chunk at a time in backward. Peak logits memory
     falls from ``tokens x vocabulary`` to ``chunk x vocabulary``, for one more output projection. Runs eagerly
-    under ``trainer.compile`` (the model's layers before it are compiled)."""
+    under ``trainer.compile`` (``Trainer.compile``)."""
     keep = (target != pad_id).flatten().nonzero().squeeze(1)  # the planner's fake nonzero keeps every position
     h, t = hidden.flatten(0, 1).index_select(0, keep), target.flatten().index_select(0, keep)
     loss = nll = hidden.new_zeros((), dtype=torch.float32)
@@ -127,12 +126,13 @@ def chunked_loss(
 
 
 def batch_loss(
-    model: Transformer, batch: Batch, pad_id: int, epsilon: float, loss_chunk: int | None = None
+    model: Transformer, batch: Batch, pad_id: int, epsilon: float, loss_chunk: int | None = None,
+    chunked=chunked_loss,
 ) -> tuple[Tensor, Tensor]:
     """Summed label-smoothed loss and NLL of a batch on the model's device (call under the autocast context)."""
     hidden = model.hidden(batch.src, batch.tgt_in)
     if loss_chunk:
-        return chunked_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon, loss_chunk)
+        return chunked(model.generator, hidden, batch.tgt_out, pad_id, epsilon, loss_chunk)
     return _projected_loss(model.generator, hidden, batch.tgt_out, pad_id, epsilon)
 
 
@@ -144,11 +144,12 @@ class LossModule(nn.Module):
     def __init__(self, model: Transformer, pad_id: int, epsilon: float, loss_chunk: int | None):
         super().__init__()
         self.model, self.pad_id, self.epsilon, self.loss_chunk = model, pad_id, epsilon, loss_chunk
+        self.chunked_loss = chunked_loss
 
     def forward(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> tuple[Tensor, Tensor]:
         with region("activations"):  # inside DDP's forward, which begins in the gradients' region (Trainer)
             return batch_loss(self.model, Batch(src, tgt_in, tgt_out, 0, 0), self.pad_id, self.epsilon,
-                              self.loss_chunk)
+                              self.loss_chunk, self.chunked_loss)
 
 
 def inverse_sqrt_schedule(warmup_steps: int):
@@ -252,6 +253,8 @@ class Trainer:
             from torch._inductor import config, cpu_vec_isa
 
             config.cpp.simdlen = cpu_vec_isa.pick_vec_isa().bit_width()
+        # memory=chunked_ce's checkpointed chunks run eagerly: Dynamo cannot trace them (an AssertionError at step 1)
+        (self.net.module if self.ddp else self.net).chunked_loss = torch.compiler.disable(chunked_loss)
         self.net.compile(dynamic=True)
 
     def step(self, micro_batches: list[Batch], step_tgt_tokens: int | None = None, real: bool = True,

@@ -159,7 +159,8 @@ def test_out_of_memory_on_one_rank_in_the_update_stops_the_run_instead_of_redoin
 @pytest.mark.slow
 def test_out_of_memory_under_torchrun_without_back_off_says_how_to_have_it(tmp_path, shared_cache):
     """Back-off is off under torchrun unless memory.oom_retries is set: an error in forward on both ranks says
-    so, not that one rank ran out alone after the gradients were averaged (what it said)."""
+    so, not that one rank ran out alone after the gradients were averaged (what it said); with memory=fsdp, which
+    takes no back-off, it says what to do instead."""
     proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "logger=none",
                     "fault.kind=oom", "fault.at_step=2", f"hydra.run.dir={tmp_path / 'run'}",
                     f"paths.cache_dir={shared_cache}", cwd=tmp_path)
@@ -169,6 +170,13 @@ def test_out_of_memory_under_torchrun_without_back_off_says_how_to_have_it(tmp_p
             "has every rank redo the step with twice the accumulation)") in proc.stdout + proc.stderr, \
         proc.stderr[-3000:]
     assert "alone" not in proc.stdout + proc.stderr
+    # memory=fsdp refuses memory.oom_retries: it is not offered
+    proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=3", "logger=none",
+                    "memory=fsdp", "fault.kind=oom", "fault.at_step=2", f"hydra.run.dir={tmp_path / 'fsdp'}",
+                    f"paths.cache_dir={shared_cache}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert ("(accum_steps 1) on rank 0: memory=fsdp takes no back-off (memory.oom_retries); raise "
+            "memory.accum_steps, or plan one with memory=[fsdp,auto]") in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 SIGNALLED = [*FAST, "data.train_size=200", "trainer.max_steps=5", "trainer.eval_every=5", "trainer.save_every=10",

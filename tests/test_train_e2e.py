@@ -227,14 +227,20 @@ def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
     text.write_text("Ein Hund läuft.\n")
     assert translate.main([str(text), "--input", str(text), "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == [
-        f"error: {text}: not a checkpoint (not a zip archive, as torch.save writes; the sentences to translate go "
-        "with --input)"]
+        f"error: {text}: not a checkpoint (not a zip archive, as torch.save writes: a text file? translate.py takes "
+        "its sentences with --input)"]
     code = tmp_path / "code.pt"
     torch.save({"model": argparse.Namespace()}, code)  # loading it would need weights_only=False
     assert translate.main([str(code), "--input", str(text), "--device", "cpu"]) == 1
     assert capsys.readouterr().err.splitlines() == [
         f"error: {code}: not a readable checkpoint (not a checkpoint written by train.py: it holds other data than "
         "tensors and plain values, or none)"]
+    cut = tmp_path / "cut.pt"  # a partial copy: a zip archive without its end, not a text file
+    torch.save({"model": {"w": torch.zeros(100)}}, cut)
+    cut.write_bytes(cut.read_bytes()[:-200])
+    assert translate.main([str(cut), "--input", str(text), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {cut}: not a readable checkpoint (") and "text file" not in err
 
 
 def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_files(fast_cfg, tmp_path, capsys,
