@@ -176,16 +176,18 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
                     sharded: bool) -> None:
     """``full_state``'s inverse: each rank keeps its shard of the full tensors. A checkpoint written without FSDP
-    (one process, DDP) keys the optimizer's state by parameter number, in ``named_parameters`` order: FSDP's
-    loader takes names (it raised KeyError: 'state.0.step')."""
+    (one process, DDP) keys the optimizer's state by parameter number: FSDP's loader takes names (it raised
+    KeyError: 'state.0.step')."""
     if not sharded:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    names = [name for name, _ in model.named_parameters()]
     if any(isinstance(p, int) for group in optim_state["param_groups"] for p in group["params"]):
+        # the numbers count the optimizer's parameters group by group, as state_dict() numbers them
+        name_of = {id(p): name for name, p in model.named_parameters()}
+        names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
         optim_state = {"state": {names[i]: v for i, v in optim_state["state"].items()},
                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                         for g in optim_state["param_groups"]]}
