@@ -244,6 +244,16 @@ def test_bom_and_crlf_are_read_as_plain_text(tmp_path, caplog):
     assert "carriage return" not in caplog.text.lower() and "\r" not in caplog.text
 
 
+def test_a_test_file_with_an_empty_line_is_translated_and_scored_whole(tmp_path):
+    """data=files: the run's test BLEU covers every line of the test files, an empty source line included (its
+    pair was skipped), as translate.py --reference scores them."""
+    data = data_dir(tmp_path, {"test.de": "ein Satz\n\nzwei Sätze\n", "test.en": "a sentence\nnothing\ntwo sentences\n"})
+    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=1", "trainer.eval_every=1",
+                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    assert train(cfg)["status"] == "completed"
+    assert len((tmp_path / "run" / "test.hyp.txt").read_text().splitlines()) == 3
+
+
 def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
     from src.errors import ConfigError
     from src.memory import MemoryStrategy

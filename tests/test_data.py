@@ -158,9 +158,14 @@ def test_invalid_utf8_names_the_line(tmp_path):
         read_lines(tmp_path / "bad.de")
 
 
-def test_pairs_with_an_empty_side_are_skipped(tmp_path):
-    pt = read_parallel(write(tmp_path / "x.de", ["a", "", "c"]), write(tmp_path / "x.en", ["A", "B", "C"]))
+def test_pairs_with_an_empty_side_are_skipped_in_training_and_kept_in_held_out_splits(tmp_path):
+    """A validation or test split is scored whole, as translate.py scores the same files: skipping its pairs
+    with an empty side scored the run on fewer sentences than the files hold."""
+    paths = write(tmp_path / "x.de", ["a", "", "c"]), write(tmp_path / "x.en", ["A", "B", "C"])
+    pt = read_parallel(*paths)
     assert pt.src == ["a", "c"] and pt.tgt == ["A", "C"]
+    held_out = read_parallel(*paths, held_out=True)
+    assert held_out.src == ["a", "", "c"] and held_out.tgt == ["A", "B", "C"]
 
 
 def test_files_corpus_reads_prefixes_plain_or_gz(tmp_path):

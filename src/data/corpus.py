@@ -153,7 +153,10 @@ def every_problem(calls: list[Callable[[], T]]) -> list[T]:
     return results
 
 
-def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = False) -> ParallelText:
+    """Line pairs of two parallel files. Pairs with an empty side are skipped from training data (with a warning
+    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source translates to
+    whatever the model makes of it, an empty reference is scored as one, as translate.py scores such files."""
     src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     if len(src) != len(tgt):
         raise DataError(
@@ -170,8 +173,10 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
             if empty:
                 where.append(f"{path} has {len(empty)} empty, at line{'s' if len(empty) > 1 else ''} "
                              + ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""))
-        log.warning("skipped %d line pairs with an empty side: %s", len(src) - len(keep), "; ".join(where))
-        src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+        what = "kept (a held-out split is scored whole)" if held_out else "skipped"
+        log.warning("%s %d line pairs with an empty side: %s", what, len(src) - len(keep), "; ".join(where))
+        if not held_out:
+            src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
     return ParallelText([s.strip() for s in src], [t.strip() for t in tgt])
 
 
@@ -194,7 +199,7 @@ def load_files(prefixes: dict[str, str], src_lang: str, tgt_lang: str) -> Corpus
         if not prefix:
             raise DataError(f"data.{split}_prefix is not set: give the path prefix of the {split} files")
         paths = every_problem([partial(find_text_file, prefix, lang) for lang in (src_lang, tgt_lang)])
-        return [str(p.resolve()) for p in paths], read_parallel(*paths)
+        return [str(p.resolve()) for p in paths], read_parallel(*paths, held_out=split != "train")
 
     read = dict(zip(SPLITS, every_problem([partial(read_split, split) for split in SPLITS])))
     description = {split: paths for split, (paths, _) in read.items()}
@@ -301,7 +306,7 @@ def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_d
     def split(stem: str) -> tuple[ParallelText, list[Path]]:
         paths = collect([partial(multi30k_file, f"{stem}.{lang}.gz", root, cache_dir, url, download_ok)
                          for lang in (src_lang, tgt_lang)])
-        return read_parallel(*paths), paths
+        return read_parallel(*paths, held_out=stem != MULTI30K_SPLITS["train"]), paths
 
     read = collect([partial(split, stem) for stem in MULTI30K_SPLITS.values()])
     description = {"name": "multi30k", **{name: [str(p.resolve()) for p in paths]
