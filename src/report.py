@@ -196,9 +196,19 @@ def _status(job: Job) -> str:
     if (backoffs := job.summary.get("oom_backoffs")) and job.status != "oom":  # an oom error counts them itself
         text += f" after {len(backoffs)} out-of-memory back-off(s)"
     error = job.summary.get("error")
-    if error:
-        text += ": " + error.replace("|", "\\|")[:120]
+    if error:  # its first 120 characters, on the row's one line (an error names every problem, a line each)
+        text += ": " + " / ".join(line.strip() for line in error.splitlines() if line.strip())[:120]
     return text
+
+
+def _cell(text: str) -> str:
+    """Text as one cell of a markdown table row: a ``|`` in it (an override's value, an error) escaped."""
+    return text.replace("|", "\\|")
+
+
+def _plain(text: str) -> str:
+    """Text as matplotlib shows it literally: a pair of ``$`` in it would start mathtext (or fail to parse)."""
+    return text.replace("$", r"\$")
 
 
 def markdown_table(jobs: list[Job]) -> str:
@@ -210,10 +220,10 @@ def markdown_table(jobs: list[Job]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in jobs:
         s, split = j.summary, j.summary.get("peak_memory_split_mb") or {}
-        row = [j.name, j.label, j.effective_batch, _fmt(s.get("peak_memory_mb")), *(_fmt(split.get(c)) for c in cats),
+        row = [j.name, _cell(j.label), j.effective_batch, _fmt(s.get("peak_memory_mb")), *(_fmt(split.get(c)) for c in cats),
                *([_fmt(s.get("peak_reserved_mb"))] if reserved else []), _fmt(s.get("tokens_per_s"), 0),
                *([f"{s['mfu']:.1%}" if s.get("mfu") else _fmt(None)] if mfu else []), _fmt(s.get("steps"), 0),
-               _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _status(j)]
+               _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _cell(_status(j))]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -239,7 +249,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         x, y = j.summary["tokens_per_s"], j.summary["peak_memory_mb"]
         ax_mem.scatter(x, y, s=40, color=color[j.name])
         bleu = j.summary.get("test_bleu")
-        note = f"{j.label}: BLEU {bleu:.1f}" if bleu is not None else j.label
+        note = _plain(f"{j.label}: BLEU {bleu:.1f}" if bleu is not None else j.label)
         fx, fy = x / x_max, y / y_max
         dy = 0.02
         while any(abs(fx - px) < 0.25 and abs(fy + dy - py) < 0.045 for px, py in placed):
@@ -258,7 +268,7 @@ def plot(jobs: list[Job], path: Path) -> None:
             what for key, what in (("peak_memory_mb", "peak memory"), ("tokens_per_s", "tokens/s"))
             if not j.summary.get(key)) for j in unplotted)]
     if lines:
-        ax_mem.text(0.02, 0.02, "\n".join(lines), transform=ax_mem.transAxes, fontsize=8, va="bottom",
+        ax_mem.text(0.02, 0.02, _plain("\n".join(lines)), transform=ax_mem.transAxes, fontsize=8, va="bottom",
                     color="tab:red")
     ax_mem.set_xlabel("training throughput (source + target tokens/s)")
     ax_mem.set_ylabel("peak memory (MiB)")
@@ -270,7 +280,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         if rows:
             style = "-" if j.status == "completed" else "--"
             ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color[j.name],
-                         marker="o" if len(rows) == 1 else None, label=f"{j.name} {j.label}")  # a lone point shows
+                         marker="o" if len(rows) == 1 else None, label=_plain(f"{j.name} {j.label}"))  # a lone point shows
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss (label-smoothed, per target token)")
     ax_loss.set_title("loss curves (dashed: did not finish)")
@@ -315,7 +325,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
             + ran_on(jobs)
             + table + "\n![peak memory against throughput, and loss curves](report.png)\n")
     md, png = out / "report.md", out / "report.png"
-    plot(jobs, png)
-    with atomic_path(md) as tmp:
+    with atomic_path(md) as tmp:  # first: the table stands should the plot fail
         tmp.write_text(text, encoding="utf-8")
+    plot(jobs, png)
     return md, png, table

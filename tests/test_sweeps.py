@@ -3,6 +3,7 @@ reader), a failing job is recorded and the others still run, `experiments/report
 experiment presets reproduce their loss curves."""
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -151,6 +152,28 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     # The sweep itself wrote the same report into its directory when its last job ended, and printed the table.
     assert (sweep / "report.md").read_text() == (tmp_path / "report.md").read_text()
     assert (sweep / "report.png").is_file() and all(row in sweep_proc.stdout for row in rows)
+
+
+def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path):
+    """An error naming several problems (a line each), a | or a pair of $ in an override's value: each job is
+    one row of the table's columns, and the plot is drawn (the $ pair stopped it, and with it the report)."""
+    sweep = tmp_path / "sweep"
+    for job, tag in (("0", "a|b"), ("1", "$x^$")):
+        d = sweep / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- tags=['{tag}']\n")
+        summary = {"status": "completed", "strategy": "none", "tokens_per_s": 10.0, "peak_memory_mb": 1.0}
+        if job == "0":
+            summary = {"status": "failed", "strategy": "none",
+                       "error": "data/train.de: file not found\ndata/valid.de: file not found"}
+        (d / "summary.json").write_text(json.dumps(summary))
+        (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n')
+    md, png, table = write_report(sweep)
+    lines = [line for line in table.splitlines() if line.startswith("| ")]
+    cells = [len(re.findall(r"(?<!\\)\|", line)) for line in lines]  # the cell separators: unescaped |
+    assert len(lines) == 3 and cells[1:] == [cells[0], cells[0]]
+    assert "file not found / data/valid.de: file not found" in lines[1]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_shows_a_job_killed_before_its_summary(tmp_path):
