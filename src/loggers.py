@@ -123,6 +123,12 @@ class RunLogger:
             run.define_metric(key, summary=summary)
         return run
 
+    def relabel(self, strategy: str, name: str) -> None:
+        """The W&B run's strategy and name once memory=auto has chosen (it starts before the data is read)."""
+        if self.wandb is not None:
+            self.wandb.name = name
+            self.wandb.config.update({"strategy": strategy}, allow_val_change=True)
+
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")

@@ -491,7 +491,14 @@ def train(cfg: DictConfig) -> dict:
                 clear_for_fresh_start(ckpt_dir, resume, world.main, start=str(resumed[0]) if resumed else "step 0")
             if world.main:
                 remove_partial_writes(ckpt_dir)
-            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary))
+            def relabel(label: str) -> None:
+                """memory=auto's choice, made once the data is read: the summary's and the W&B run's strategy."""
+                summary["strategy"] = label
+                if logger is not None:
+                    logger.relabel(label, run_name(label, summary["overrides"]))
+
+            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary,
+                                relabel=relabel))
         summary["status"] = "completed"
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
@@ -582,12 +589,13 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
 
 
 def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[], RunLogger | NullLogger],
-         world: World, device: torch.device, resumed: tuple[Path, dict] | None, reached: dict) -> dict:
+         world: World, device: torch.device, resumed: tuple[Path, dict] | None, reached: dict,
+         relabel: Callable[[str], None]) -> dict:
     """``begin`` starts the run's files: at once for a fresh run (a failed job is a failed run of its sweep),
     only after its checkpoint is accepted for a resumed one (a refused resume leaves the earlier run's files).
     A run that stops once training has begun (a signal, out of memory, an error) puts what it had reached into
     ``reached`` (the summary): its steps, throughput and memory peaks, its best validation."""
-    run = TrainingRun(conf, strategy, run_dir, begin, world, device, resumed)
+    run = TrainingRun(conf, strategy, run_dir, begin, world, device, resumed, relabel)
     try:
         run.fit()
         if not world.main:
@@ -611,8 +619,9 @@ class TrainingRun:
 
     def __init__(self, conf: dict, strategy: MemoryStrategy, run_dir: Path,
                  begin: Callable[[], RunLogger | NullLogger], world: World, device: torch.device,
-                 resumed: tuple[Path, dict] | None):
+                 resumed: tuple[Path, dict] | None, relabel: Callable[[str], None]):
         self.conf, self.run_dir, self.begin, self.world, self.device = conf, run_dir, begin, world, device
+        self.relabel = relabel
         self.tr, self.data, self.optim = conf["trainer"], conf["data"], conf["optim"]
         self.logger = begin() if resumed is None else None
         self._prepare_data(strategy)
@@ -654,6 +663,7 @@ class TrainingRun:
             strategy, info["auto"] = choose_for_budget(self.conf, strategy, self.encoded, self.train_split, device,
                                                        world.size)
             log.info("memory=auto: %s", info["auto"])
+            self.relabel(strategy.label)
         self.strategy = strategy
 
     def _build_model(self) -> None:

@@ -27,7 +27,7 @@ from src.planner import (
 from src.run import train
 
 from .conftest import FAST, compose_config
-from .helpers import read_jsonl, run_cli
+from .helpers import read_jsonl, read_wandb_run, run_cli
 
 
 @pytest.mark.parametrize("name,dims,vocab,strategy,shape", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
@@ -275,7 +275,7 @@ def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path, shared_
     # 60% of what the plain run needed: its worst case (every sentence as long as the longest) is planned at 265 MiB,
     # and neither more accumulation alone nor with amp fits; amp with checkpointing does (x16; x32 at 50%)
     budget_gb = round(plain["peak_memory_mb"] * 0.6 / 1024, 3)
-    summary = train(compose_config(*FAST, *LONG, "memory=auto", f"memory.budget_gb={budget_gb}",
+    summary = train(compose_config(*FAST, *LONG, "memory=auto", f"memory.budget_gb={budget_gb}", "logger=wandb",
                                    run_dir=tmp_path / "auto", cache_dir=shared_cache))
     auto = summary["auto"]
     assert auto["tried"][0]["strategy"] == "auto(none)" and auto["tried"][0]["estimate_mb"] > budget_gb * 1024
@@ -287,6 +287,13 @@ def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path, shared_
     assert summary["peak_memory_mb"] <= budget_gb * 1024  # the real run's tracked peak stays under the budget
     assert summary["batch_size"] == plain["batch_size"]  # the effective batch is what the config asked for
     assert summary["tgt_tokens"] == plain["tgt_tokens"]
+    # the W&B run, begun before the data was read, is named and configured with the choice, not auto(none)
+    (wandb_file,) = (tmp_path / "auto").glob("wandb/offline-run-*/run-*.wandb")
+    w = read_wandb_run(wandb_file)
+    from src.loggers import run_name
+
+    assert w["config"]["strategy"] == auto["chosen"]
+    assert w["run"].display_name == run_name(auto["chosen"], summary["overrides"])
 
 
 def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(monkeypatch):
