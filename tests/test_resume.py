@@ -348,7 +348,8 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_set
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2
     assert [r.message.split(": ", 1)[1] for r in caplog.records if "resumed with other" in r.message] == [
         "resumed with other data settings than the run that wrote it; the rest of this run will not be the one that "
-        "run would have trained"]
+        "run would have trained; it stopped 2 batches into an epoch, whose other batches are made by this run's data "
+        "settings, so that epoch may train some pairs twice and miss others"]
 
 
 def test_a_run_without_fp16_resumes_with_fp16_and_a_failed_load_leaves_the_run_as_it_was(fast_cfg, monkeypatch):
