@@ -196,7 +196,7 @@ def test_xlmr_tokenizer_run(fast_cfg, xlmr_dir):
 
 
 def test_out_of_memory_is_recorded_as_such(fast_cfg, monkeypatch):
-    def oom(self, micro_batches, *args):
+    def oom(self, micro_batches, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.91 GiB")
 
     monkeypatch.setattr(Trainer, "step", oom)
