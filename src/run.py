@@ -18,7 +18,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TypeVar
@@ -837,10 +837,18 @@ class TrainingRun:
             raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
         return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
 
-    def steps(self, epoch: int, batches_done: int = 0) -> list[tuple[list[int], bool, list[list[int]]]]:
+    def steps(self, epoch: int, batches_done: int = 0, trained: Sequence[int] = ()
+              ) -> list[tuple[list[int], bool, list[list[int]]]]:
         """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
-        may have been trained with another number of ranks)."""
-        return shard_steps(self.batches(epoch)[batches_done:], self.world)
+        may have been trained with another number of ranks). Resumed mid-epoch with other batches (another
+        batch size or token budget), the first ``batches_done`` are not the pairs trained: the epoch's batches
+        go on without the pairs already ``trained`` (``Progress.trained``), so each pair is still trained once."""
+        order = self.batches(epoch)
+        trained = set(trained)
+        if batches_done and trained and trained != {i for b in order[:batches_done] for i in b}:
+            order = [kept for b in order if (kept := [i for i in b if i not in trained])]
+            return shard_steps(order, self.world)
+        return shard_steps(order[batches_done:], self.world)
 
     # --------------------------------------------------------------------------------------------- training
 
@@ -854,13 +862,14 @@ class TrainingRun:
               StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step,
                            device) as profiler):
             while not self.done():
-                for indices, real, group in self.steps(p.epoch, p.batches_done):
+                for indices, real, group in self.steps(p.epoch, p.batches_done, p.trained):
                     profiler.step()
                     self.window.resume()
                     stats = self.train_step(indices, real, group)
                     self.window.add(stats, p.epoch)
                     p.step += 1
                     p.batches_done += len(group)
+                    p.trained += [i for b in group for i in b]
                     self.bar.update(1)
                     self.check_finite(stats)
                     if p.step % tr["log_every"] == 0:
@@ -881,7 +890,7 @@ class TrainingRun:
                     if self.done():
                         break
                 else:
-                    p.epoch, p.batches_done = p.epoch + 1, 0
+                    p.epoch, p.batches_done, p.trained = p.epoch + 1, 0, []
         self.bar.close()
         self.log_window()
         if p.last_eval_step != p.step:

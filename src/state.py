@@ -33,6 +33,7 @@ class Progress:
     step: int = 0
     epoch: int = 0
     batches_done: int = 0  # batches of ``epoch``'s order already trained, on all ranks together
+    trained: list = field(default_factory=list)  # the pairs of ``epoch`` already trained (TrainingRun.steps)
     best_bleu: float = -1.0
     best_step: int = 0
     last_eval_step: int = -1
@@ -212,11 +213,8 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_
     before = ckpt.get("config") or {}
     differ = [k for k in EXACT_KEYS if k in before and before[k] != conf.get(k)]
     if differ:
-        done = (ckpt.get("progress") or {}).get("batches_done") or 0
-        mid_epoch = (f"; it stopped {done} batches into an epoch, whose other batches are made by this run's data "
-                     "settings, so that epoch may train some pairs twice and miss others") if "data" in differ and done else ""
         log.warning("%s: resumed with other %s settings than the run that wrote it; the rest of this run will not be "
-                    "the one that run would have trained%s", path, ", ".join(differ), mid_epoch)
+                    "the one that run would have trained", path, ", ".join(differ))
 
 
 def remove_partial_writes(ckpt_dir: Path) -> None:

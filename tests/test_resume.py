@@ -348,8 +348,30 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_set
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 2
     assert [r.message.split(": ", 1)[1] for r in caplog.records if "resumed with other" in r.message] == [
         "resumed with other data settings than the run that wrote it; the rest of this run will not be the one that "
-        "run would have trained; it stopped 2 batches into an epoch, whose other batches are made by this run's data "
-        "settings, so that epoch may train some pairs twice and miss others"]
+        "run would have trained"]
+
+
+def test_resumed_mid_epoch_with_another_batch_size_the_epoch_still_trains_each_pair_once(fast_cfg, monkeypatch):
+    """Stopped 2 batches of 16 into an epoch, resumed with batches of 8: the epoch's batches of 8 go on without
+    the 32 pairs already trained (skipping the first 2 batches of the new order trained some pairs twice and
+    missed others). Resumed again within that epoch, the same."""
+    import src.run
+
+    step, seen = src.run.TrainingRun.train_step, []
+
+    def recorded(self, indices, real, group):
+        seen.append((self.p.epoch, [i for b in group for i in b]))
+        return step(self, indices, real, group)
+
+    monkeypatch.setattr(src.run.TrainingRun, "train_step", recorded)
+    common = ["trainer.eval_every=1000", "trainer.log_every=1", "trainer.max_epochs=1"]
+    train(fast_cfg(*common, "trainer.max_steps=2"))
+    train(fast_cfg(*common, "trainer.max_steps=10", "trainer.resume=auto", "data.batch_size=8"))
+    summary = train(fast_cfg(*common, "trainer.max_steps=200", "trainer.resume=auto", "data.batch_size=8"))
+    assert summary["status"] == "completed" and summary["steps"] > 10
+    pairs = [i for epoch, group in seen if epoch == 0 for i in group]
+    assert sorted(pairs) == list(range(300)), (len(pairs), len(set(pairs)))
+    assert max(len(group) for _, group in seen[2:]) == 8
 
 
 def test_a_run_without_fp16_resumes_with_fp16_and_a_failed_load_leaves_the_run_as_it_was(fast_cfg, monkeypatch):
