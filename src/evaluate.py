@@ -75,12 +75,17 @@ def greedy_decode(
     length = 0
     never = _never_generated(bos_id, eos_id, pad_id, src.device)
     for step in range(out.size(1)):
-        next_tok = model.decode_step(memory, src_mask, tokens, caches).index_fill_(-1, never, -math.inf).argmax(dim=-1)
+        best, next_tok = model.decode_step(memory, src_mask, tokens, caches).index_fill_(-1, never, -math.inf).max(-1)
         out[active, step] = next_tok
         length = step + 1
         running = (next_tok != eos_id) & (limit > length)
-        if not bool(running.all()):
-            if not bool(running.any()):
+        # one host sync a step: whether all go on, whether any does, whether a row's scores are NaN
+        all_run, any_run, nan = torch.stack([running.all(), running.any(), best.isnan().any()]).tolist()
+        if nan:  # max takes NaN for the largest: the translation would be a NaN row's arbitrary token
+            raise FloatingPointError(f"greedy decoding: a sentence's scores are NaN at step {step + 1} (the model's "
+                                     "outputs are not finite)")
+        if not all_run:
+            if not any_run:
                 break
             # memory is not selected: the first step cached its keys and values (reorder_cache selects them)
             active, src_mask, next_tok = active[running], src_mask[running], next_tok[running]

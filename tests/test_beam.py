@@ -193,7 +193,7 @@ def test_no_translation_holds_padding_or_the_start_token(monkeypatch):
 
 def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_error(model):
     """max_len 0 gives empty rows, as greedy decoding does (it raised ValueError: max() arg is an empty sequence);
-    a model whose outputs are NaN (a diverged run) is named as such, not that ValueError."""
+    a model whose outputs are NaN (a diverged run) is named as such by both decoders."""
     greedy = greedy_decode(model, SRC, BOS, EOS, PAD, max_len=0)
     beam, scores = beam_search(model, SRC, BOS, EOS, PAD, max_len=0, beam_size=3)
     assert beam.shape == greedy.shape == (3, 0) and scores.tolist() == [0.0, 0.0, 0.0]
@@ -202,3 +202,5 @@ def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_e
         broken.generator.weight[5, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="no hypothesis of sentence 0 has a finite score"):
         beam_search(broken, SRC, BOS, EOS, PAD, max_len=12, beam_size=3)
+    with pytest.raises(FloatingPointError, match="greedy decoding: a sentence's scores are NaN at step 1"):
+        greedy_decode(broken, SRC, BOS, EOS, PAD, max_len=12)  # (it wrote the NaN row's argmax)
