@@ -44,7 +44,8 @@ class SweepStatus(Callback):
             outcome.failed = [str(e)]
         else:
             outcome.failed = [f"job {job.name} ({job.path}): {job.status or 'no summary.json'}"
-                              + (": " + job.summary["error"].replace("\n", "\n      ") if job.summary.get("error") else "")
+                              + (": " + error.replace("\n", "\n      ")
+                                 if (error := job.summary.get("error") or job.log_error) else "")
                               for job in jobs if job.status != "completed"]
         outcome.fail_on_error = bool(config.get("fail_on_error"))
 

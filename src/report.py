@@ -14,6 +14,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -38,6 +39,7 @@ class Job:
     overrides: list[str] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     varying: frozenset[str] = frozenset()  # its overrides that other jobs of the sweep do not share
+    log_error: str | None = None  # without a summary: the last error its log (Hydra's train.log) recorded
 
     @property
     def status(self) -> str | None:
@@ -137,14 +139,39 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
         summary = _read_json(path / "summary.json")
         if launched is not None and summary and _newest(path, "summary.json") < launched:
             summary = {}  # the earlier launch's: this one was killed before it wrote its own
+        metrics = _read_jsonl(path / "metrics.jsonl")
+        if launched is not None and metrics and _newest(path, "metrics.jsonl") < launched:
+            metrics = []  # the earlier launch's rows: this job logged none
         overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
         config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
-        jobs.append(Job(path.name, path, summary, config, list(overrides), _read_jsonl(path / "metrics.jsonl")))
+        # e.g. a resume refused before the run began, which leaves the directory as it was
+        log_error = _last_logged_error(path / "train.log", launched) if not summary else None
+        jobs.append(Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:
         job.varying = frozenset(o for o in job.overrides if o not in shared)
     return jobs
+
+
+def _last_logged_error(log_file: Path, since: float | None = None) -> str | None:
+    """The last ``[ERROR]`` line of a job's log, without its time and logger (``error: `` taken off too); with
+    ``since``, of the lines logged from then on (Hydra appends a launch's lines to the earlier launch's)."""
+    try:
+        lines = log_file.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    errors = []
+    for line in lines:
+        if "][ERROR] - " not in line:
+            continue
+        try:  # [2026-12-03 08:51:31,860][train][ERROR] - ..., in local time
+            logged = datetime.strptime(line[1:20], "%Y-%m-%d %H:%M:%S").timestamp()
+        except ValueError:
+            logged = None
+        if since is None or logged is None or logged >= int(since):
+            errors.append(line.split("][ERROR] - ", 1)[1])
+    return errors[-1].removeprefix("error: ") if errors else None
 
 
 def shared_overrides(jobs: list[Job]) -> set[str]:
@@ -188,6 +215,8 @@ def evaluated_on(summary: dict) -> str:
 
 def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
+    if job.status is None and job.log_error:  # it stopped before its run began, leaving its directory as it was
+        text = "**no summary.json**; its log's last error"
     scored = job.summary.get("valid_bleu") is not None or job.summary.get("test_bleu") is not None
     if scored and (scope := evaluated_on(job.summary)):  # (a job that failed before scoring has none)
         text += f"; BLEU {scope}"
@@ -195,7 +224,7 @@ def _status(job: Job) -> str:
         text += f", logged up to step {job.train_rows[-1]['step']}"
     if (backoffs := job.summary.get("oom_backoffs")) and job.status != "oom":  # an oom error counts them itself
         text += f" after {len(backoffs)} out-of-memory back-off(s)"
-    error = job.summary.get("error")
+    error = job.summary.get("error") or job.log_error
     if error:  # its first 120 characters, on the row's one line (an error names every problem, a line each)
         text += ": " + " / ".join(line.strip() for line in error.splitlines() if line.strip())[:120]
     return text

@@ -176,6 +176,43 @@ def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tmp_path):
+    """A sweep launched again into its directory: job 0 is refused before its run begins (its directory holds
+    the earlier launch's checkpoints), which leaves the directory as it was. Its row gave the earlier launch's
+    logged steps and "still running, or killed"; it gives the error its log recorded in this launch. Job 1 was
+    killed: only an error of the earlier launch is in its log, which is not this launch's."""
+    import os
+    import time
+
+    from src.callbacks import SweepStatus, outcome
+
+    sweep = tmp_path / "sweep"
+    earlier, now = time.time() - 100, time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(earlier))
+    for job in ("0", "1"):
+        d = sweep / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.0002\n")
+        for name, text in (("summary.json", '{"status": "completed", "strategy": "none"}'),
+                           ("metrics.jsonl", '{"step": 4, "loss": 4.0}\n')):
+            (d / name).write_text(text)
+            os.utime(d / name, (earlier, earlier))
+        log = f"[{stamp},000][train][ERROR] - error: an earlier launch's error\n"
+        if job == "0":
+            log += f"[{time.strftime('%Y-%m-%d %H:%M:%S')},000][train][ERROR] - error: {d}/checkpoints holds an earlier run's checkpoints\n"
+        (d / "train.log").write_text(log)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    os.utime(sweep / "multirun.yaml", (now - 5, now - 5))
+    jobs = load_sweep(sweep, latest_launch=True)
+    assert [j.status for j in jobs] == [None, None] and [j.train_rows for j in jobs] == [[], []]
+    rows = markdown_rows(write_report(sweep, latest_launch=True)[2])
+    assert f"**no summary.json**; its log's last error: {sweep}/0/checkpoints holds an earlier run's" in rows[0]
+    assert "(still running, or killed)" in rows[1] and "earlier launch's error" not in rows[1]
+    SweepStatus().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+    failed, outcome.failed = outcome.failed, None  # (this process's state: no sweep ran)
+    assert failed[0].endswith("holds an earlier run's checkpoints") and failed[1].endswith("no summary.json")
+
+
 def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     """A job killed outright (SIGKILL, node lost) leaves no summary.json: it is a row, not a gap."""
     sweep = tmp_path / "sweep"
