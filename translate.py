@@ -95,18 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_decoding(ckpt: dict, args: argparse.Namespace) -> dict:
-    """The decoding settings: the flags given, else the run's own (its trainer config and memory strategy in the
-    checkpoint), else the config's defaults."""
+def run_decoding(ckpt: dict, args: argparse.Namespace | None = None) -> dict:
+    """The decoding settings: the flags given (none without ``args``), else the run's own (its trainer config and
+    memory strategy in the checkpoint), else the config's defaults."""
     config = ckpt.get("config") or {}
     run = config.get("trainer") or {}
     defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
     in_run = {"batch_size": "eval_batch_size"}  # the run's key where its name differs
-    decoding = {key: next(v for v in (getattr(args, key), run.get(in_run.get(key, key)), default) if v is not None)
+    decoding = {key: next(v for v in (getattr(args, key, None), run.get(in_run.get(key, key)), default) if v is not None)
                 for key, default in defaults.items()}
     # the strategy the run trained and evaluated with: memory=auto's choice (amp, say) is not in its config
     strategy = ckpt.get("strategy") or {"amp": (config.get("memory") or {}).get("amp")}
-    amp = args.amp or strategy.get("amp")
+    amp = getattr(args, "amp", None) or strategy.get("amp")
     decoding["amp"] = None if amp == "none" else amp
     return decoding
 

@@ -22,6 +22,7 @@ from src.checkpoint import load_translator  # noqa: E402
 from src.data.corpus import read_lines  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.evaluate import score, translate  # noqa: E402
+from translate import run_decoding  # noqa: E402
 
 
 def setting(text: str) -> tuple[int, float]:
@@ -54,8 +55,8 @@ def main() -> None:
     except UserError as e:
         sys.exit(f"error: {e}")
     config = ckpt.get("config") or {}
-    run = config.get("trainer") or {}  # the run's length caps, as translate.py decodes
-    caps = {"max_len_a": run.get("max_len_a", 1.5), "max_len_b": run.get("max_len_b", 10)}
+    decoding = run_decoding(ckpt)  # the run's length caps, as translate.py decodes
+    caps = {key: decoding[key] for key in ("max_len_a", "max_len_b")}
     tgt_lang = (config.get("data") or {}).get("tgt_lang")
     names = " ".join(args.checkpoint)
     print(f"{names}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads, "
