@@ -24,6 +24,12 @@ from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer, read_js
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
 
+# A rank of a torchrun launch on gloo once died of a C++ std::terminate ("terminate called without an active
+# exception", SIGABRT; CI, 2026-12-03, under the load of a second pytest worker), a crash inside torch's native code
+# that about 40 launches of the same test did not repeat. Such a test is run once more, and only for that error: any
+# other failure fails at once, and pytest's summary lists the rerun.
+pytestmark = pytest.mark.flaky(reruns=1, only_rerun=["terminate called without an active exception"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
