@@ -76,7 +76,7 @@ def greedy_decode(
     never = _never_generated(bos_id, eos_id, pad_id, src.device)
     for step in range(out.size(1)):
         best, next_tok = model.decode_step(memory, src_mask, tokens, caches).index_fill_(-1, never, -math.inf).max(-1)
-        out[active, step] = next_tok
+        out[active, step] = next_tok.masked_fill(limit <= step, pad_id)  # a max_len of 0: none
         length = step + 1
         running = (next_tok != eos_id) & (limit > length)
         # one host sync a step: whether all go on, whether any does, whether a row's scores are NaN
@@ -161,6 +161,8 @@ def beam_search(
         token = index % vocab
         ends = token == eos_id
         for i, j in (ends[:, :k] & top[:, :k].isfinite()).nonzero().tolist():  # only the best k may finish
+            if limit[sent[i]] <= step:  # a max_len of 0: nothing
+                continue
             ids = history[parent[i, j]].tolist() + [eos_id]
             finished[sent[i]].append((top[i, j].item() / length_penalty(step + 1, alpha), ids))
         go_on = (~ends).int().argsort(dim=-1, descending=True, stable=True)[:, :k]  # the best k that do not end

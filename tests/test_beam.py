@@ -197,6 +197,14 @@ def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_e
     greedy = greedy_decode(model, SRC, BOS, EOS, PAD, max_len=0)
     beam, scores = beam_search(model, SRC, BOS, EOS, PAD, max_len=0, beam_size=3)
     assert beam.shape == greedy.shape == (3, 0) and scores.tolist() == [0.0, 0.0, 0.0]
+    # in a batch with other lengths too: nothing for that sentence, the others as if decoded alone
+    for decode in (lambda src, n: greedy_decode(model, src, BOS, EOS, PAD, n),
+                   lambda src, n: beam_search(model, src, BOS, EOS, PAD, n, beam_size=3)[0]):
+        mixed = decode(SRC, [0, 12, 5])
+        assert (mixed[0] == PAD).all()
+        for i, n in ((1, 12), (2, 5)):
+            alone = decode(SRC[i:i + 1], n)[0]
+            assert mixed[i, :alone.numel()].tolist() == alone.tolist() and (mixed[i, alone.numel():] == PAD).all()
     broken = reverser(30, 8, steps=0)
     with torch.no_grad():
         broken.generator.weight[5, 0] = float("nan")
