@@ -41,6 +41,13 @@ def main(cfg: DictConfig) -> float:
         log.error("interrupted: %s", str(e) or "SIGINT, stopped at once (before training or a second SIGINT): no "
                   "checkpoint written for this stop")
         signum = getattr(e, "signum", signal.SIGINT)
+        hydra_cfg = HydraConfig.get()
+        if multirun and hydra_cfg.launcher._target_.endswith(".BasicLauncher") and "sweep_report" in hydra_cfg.callbacks:
+            # The sweep's jobs run in this process, so the signal stops the sweep, and its end-of-sweep callbacks
+            # will not run: the report of the jobs it ran, this one interrupted. (A job of submitit's launchers is
+            # a process of its own: the sweep goes on, and reports at its end.)
+            log.error("sweep stopped at job %s; its report holds the jobs it ran", hydra_cfg.job.num)
+            sweep.write_sweep_report(hydra_cfg.sweep.dir)
         pass_on_signal(signum)  # submitit's SIGUSR2: it requeues the SLURM job, which resumes
         sys.exit(128 + signum)
     except Exception as e:  # summary.json and the W&B run already record it

@@ -50,15 +50,19 @@ class SweepStatus(Callback):
         outcome.fail_on_error = bool(config.get("fail_on_error"))
 
 
+def write_sweep_report(sweep_dir: str) -> None:
+    """The sweep's report.md and report.png, from the jobs of its latest launch; printed."""
+    from .report import write_report  # matplotlib: imported once, at the end of a sweep
+
+    try:
+        md, png, table = write_report(sweep_dir, latest_launch=True)
+    except Exception as e:  # the jobs' results stand without it; say why and how to retry
+        log.warning("no sweep report (%s: %s); retry with python experiments/report.py %s",
+                    type(e).__name__, e, sweep_dir)
+        return
+    print(f"\n{table}\nwrote {md} and {png}")
+
+
 class SweepReport(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        from .report import write_report  # matplotlib: imported once, at the end of a sweep
-
-        sweep_dir = config.hydra.sweep.dir
-        try:
-            md, png, table = write_report(sweep_dir, latest_launch=True)
-        except Exception as e:  # the jobs' results stand without it; say why and how to retry
-            log.warning("no sweep report (%s: %s); retry with python experiments/report.py %s",
-                        type(e).__name__, e, sweep_dir)
-            return
-        print(f"\n{table}\nwrote {md} and {png}")
+        write_sweep_report(config.hydra.sweep.dir)

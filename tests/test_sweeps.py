@@ -4,6 +4,7 @@ experiment presets reproduce their loss curves."""
 
 import json
 import re
+import signal
 import statistics
 from pathlib import Path
 
@@ -319,6 +320,22 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache
     assert proc.returncode == 1
     statuses = [json.loads((sweep / j / "summary.json").read_text())["status"] for j in "01"]
     assert statuses == ["failed", "completed"]
+
+
+@pytest.mark.slow
+def test_a_sweep_stopped_by_sigterm_reports_the_jobs_it_ran(tmp_path, shared_cache):
+    """SIGTERM (a preemption) in a job of a sweep run in this process stops the sweep; the end-of-sweep callbacks
+    then do not run, but the report is written, the stopped job listed as interrupted and no later job."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "fault.kind=null,sigterm,null", "fault.at_step=2", *FAST, "trainer.max_steps=3",
+                   "trainer.eval_every=3", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # the third job never started
+    assert "sweep stopped at job 1; its report holds the jobs it ran" in proc.stdout + proc.stderr
+    rows = markdown_rows((sweep / "report.md").read_text())
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "1"]
+    assert "| completed |" in rows[0] and "interrupted" in rows[1]
+    assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("preset", ["memory_sweep", "multi30k_small", "paper_base", "throughput_ref"])
