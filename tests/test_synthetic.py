@@ -86,6 +86,17 @@ def test_corpus_is_deterministic_and_splits_are_disjoint():
         assert en[0].isupper() and de[0].isupper() and en.endswith(".") and de.endswith(".")
 
 
+def test_held_out_splits_do_not_change_with_the_training_size():
+    """A learning curve over data.train_size scores every run on the same sentences; more training data extends
+    the smaller training split (its sentences first, in order), and still shares none with valid or test."""
+    small = generate_corpus({"train": 200, "valid": 40, "test": 40}, seed=3, lengths=LengthDistribution())
+    large = generate_corpus({"train": 3000, "valid": 40, "test": 40}, seed=3, lengths=LengthDistribution())
+    assert small["valid"] == large["valid"] and small["test"] == large["test"]
+    assert large["train"][:200] == small["train"]
+    held_out = {en for s in ("valid", "test") for en, _ in large[s]}
+    assert not held_out & {en for en, _ in large["train"]}
+
+
 def test_length_distribution_controls_long_sentences():
     short = generate_corpus({"train": 400}, 1, LengthDistribution(max_clauses=2))["train"]
     long = generate_corpus({"train": 400}, 1, LengthDistribution(max_clauses=2, long_fraction=0.25, long_clauses=10))["train"]

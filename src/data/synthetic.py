@@ -531,11 +531,14 @@ def generate_pairs(n: int, seed: int, lengths: LengthDistribution, exclude: set[
 def generate_corpus(
     sizes: dict[str, int], seed: int, lengths: LengthDistribution
 ) -> dict[str, list[tuple[str, str]]]:
-    """Splits (e.g. train/valid/test) of (English, German) pairs; held-out splits share no sentence with
-    each other or with train."""
+    """Splits (e.g. train/valid/test) of (English, German) pairs that share no sentence. The held-out splits are
+    drawn first and train last, around them: valid and test stay the same whatever ``train_size`` (runs on more or
+    less data are scored on the same sentences), and a larger train split begins with a smaller one's pairs. Each
+    split draws from its own random stream, by its place in ``sizes``."""
     out: dict[str, list[tuple[str, str]]] = {}
     used: set[str] = set()
-    for offset, (split, size) in enumerate(sizes.items()):
-        out[split] = generate_pairs(size, seed * 1000 + offset, lengths, exclude=used)
+    offsets = {split: offset for offset, split in enumerate(sizes)}
+    for split in sorted(sizes, key=lambda s: s == "train"):
+        out[split] = generate_pairs(sizes[split], seed * 1000 + offsets[split], lengths, exclude=used)
         used.update(en for en, _ in out[split])
-    return out
+    return {split: out[split] for split in sizes}
