@@ -296,16 +296,19 @@ def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(ddp_and_fsdp, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_ddp_checkpoint_resumes_with_fsdp_and_trains_as_ddp_did(ddp_and_fsdp, tmp_path, shared_cache):
-    """The DDP run's step-4 checkpoint (Adam's state keyed by parameter number) resumed with memory=fsdp (which
-    loads it by parameter name: it stopped with KeyError: 'state.0.step'): steps 5-8 train as the DDP run's."""
-    checkpoint = ddp_and_fsdp / "none" / "checkpoints" / "step_00000004.pt"
-    proc = torchrun(str(ROOT / "train.py"), *FSDP_RUN, "memory=fsdp", f"hydra.run.dir={tmp_path / 'resumed'}",
+@pytest.mark.parametrize("wrote, resumes", [("none", "fsdp"), ("fsdp", "none")])
+def test_a_checkpoint_resumes_across_ddp_and_fsdp_and_trains_as_its_run_did(ddp_and_fsdp, tmp_path, shared_cache,
+                                                                          wrote, resumes):
+    """The step-4 checkpoint of the DDP run (Adam's state keyed by parameter number) resumed with memory=fsdp (which
+    loads it by parameter name: it stopped with KeyError: 'state.0.step'), and the FSDP run's (the gathered weights
+    and state, by name) resumed with DDP: steps 5-8 train as the run that wrote it did."""
+    checkpoint = ddp_and_fsdp / wrote / "checkpoints" / "step_00000004.pt"
+    proc = torchrun(str(ROOT / "train.py"), *FSDP_RUN, f"memory={resumes}", f"hydra.run.dir={tmp_path / 'resumed'}",
                     f"ckpt_path={checkpoint}", f"paths.cache_dir={shared_cache}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed, ddp = losses(tmp_path / "resumed"), losses(ddp_and_fsdp / "none")[4:]
-    assert [s for s, _ in resumed] == [s for s, _ in ddp] == [5, 6, 7, 8]
-    assert [v for _, v in resumed] == pytest.approx([v for _, v in ddp], rel=1e-5)
+    resumed, original = losses(tmp_path / "resumed"), losses(ddp_and_fsdp / wrote)[4:]
+    assert [s for s, _ in resumed] == [s for s, _ in original] == [5, 6, 7, 8]
+    assert [v for _, v in resumed] == pytest.approx([v for _, v in original], rel=1e-5)
 
 
 @pytest.mark.slow
