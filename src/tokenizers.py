@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -161,25 +162,37 @@ class SpacyCodec(Codec):
             self._tokenizer = spacy_tokenizer(self.lang, self.model)
         return self._tokenizer
 
+    def spacy_docs(self, texts: Sequence[str]) -> Iterator:
+        """Each text's spaCy doc, in Unicode's composed form (NFC): a word typed with combining accents (NFD) is
+        the vocabulary's word, not ``<unk>``."""
+        texts = [unicodedata.normalize("NFC", t) for t in texts]
+        texts = [t.lower() for t in texts] if self.lowercase else texts
+        return self.tokenizer.pipe(texts, batch_size=1000)
+
     def tokenize_docs(self, texts: Sequence[str]) -> Iterator[list]:
         """Each text as its spaCy tokens, without the whitespace tokens spaCy makes of runs of spaces (a double
-        space in 88 lines of Multi30k's German training text): words are what is separated by whitespace, as for
-        the trainers that read spaCy-tokenized text split on spaces."""
-        texts = [t.lower() for t in texts] if self.lowercase else texts
-        for doc in self.tokenizer.pipe(texts, batch_size=1000):
+        space in 88 lines of Multi30k's German training text), tabs and no-break spaces: words are what is
+        separated by whitespace, as for the trainers that read spaCy-tokenized text split on spaces."""
+        for doc in self.spacy_docs(texts):
             yield [t for t in doc if not t.is_space]
 
     def token_lines(self, texts: Sequence[str]) -> Iterator[tuple[tuple[str, ...], bytes]]:
-        """Each text as (its tokens, whether each is followed by a space), one str object per distinct token: a
+        """Each text as (its tokens, whether each is followed by whitespace), one str object per distinct token: a
         training split held this way takes a few MB, where a (str, bool) pair per token took 43 MB for Multi30k's
-        German, and the process kept that memory after it was freed (its small blocks lay among the vocabulary's)."""
+        German, and the process kept that memory after it was freed (its small blocks lay among the vocabulary's).
+        A whitespace token (a tab, a no-break space: 48 in Multi30k's German training text) is the space after the
+        token before it, which spaCy records as followed by nothing."""
         distinct: dict[str, str] = {}
-        for doc in self.tokenize_docs(texts):
-            tokens = []
+        for doc in self.spacy_docs(texts):
+            tokens, spaced = [], []
             for t in doc:
-                text = t.text
-                tokens.append(distinct.setdefault(text, text))
-            yield tuple(tokens), bytes(bool(t.whitespace_) for t in doc)
+                if t.is_space:
+                    if spaced:
+                        spaced[-1] = True
+                    continue
+                tokens.append(distinct.setdefault(t.text, t.text))
+                spaced.append(bool(t.whitespace_))
+            yield tuple(tokens), bytes(spaced)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[str]]:
         return [[t.text for t in doc] for doc in self.tokenize_docs(texts)]

@@ -69,6 +69,28 @@ def test_runs_of_spaces_make_no_tokens():
     assert codec.decode(ids[1]) == "Ein Hund und ein Kind ."
 
 
+def test_a_tab_or_no_break_space_separates_words_as_a_space_does():
+    """The word after a tab or a no-break space (Multi30k's German has 48: "Nummer\u00a028") follows a space: it
+    is not learned as attached to the word before it (which glued hypotheses into "thedogruns")."""
+    text = ["a\tdog\truns ."] * 5 + ["the cat sleeps ."] * 5 + ["number\u00a028 wins ."] * 5
+    codec = SpacyCodec.build(text, "en")
+    assert codec.glue_left == set()  # (it held "dog", "runs" and "28")
+    assert [list(spaces) for _, spaces in codec.token_lines(text[:1])] == [[1, 1, 1, 0]]
+    assert codec.detokenize(["the", "dog", "runs", "."]) == "the dog runs ."
+
+
+def test_words_typed_with_combining_accents_are_the_vocabularys_words():
+    """Text in Unicode's decomposed form (NFD: "a" + a combining umlaut) is tokenized as the composed form (NFC) the
+    vocabulary holds, in training and in what is translated: not as <unk>."""
+    import unicodedata
+
+    codec = SpacyCodec.build(["Zwei Männer laufen ."] * 3, "de")
+    nfd = unicodedata.normalize("NFD", "Zwei Männer laufen .")
+    assert nfd != "Zwei Männer laufen ." and codec.encode([nfd]) == codec.encode(["Zwei Männer laufen ."])
+    assert codec.unk_id not in codec.encode([nfd])[0]
+    assert SpacyCodec.build([nfd] * 3, "de").itos == codec.itos
+
+
 def test_detokenization_credits_each_space_to_the_token_that_explains_it():
     """French elision and straight quotes: "air" follows "l'" without a space more often than not here, yet it is
     "l'" that glues (so "plein air" keeps its space); a straight quote glues right when it opens and left when it
