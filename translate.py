@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> int:
             hyps[i] = hyp
         if not to_stdout:
             try:
-                write_text(args.output, "\n".join(hyps) + "\n")
+                write_text(args.output, "".join(h + "\n" for h in hyps))
             except OSError as e:
                 raise UserError(f"--output {args.output}: cannot write ({e.strerror or e})") from None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if to_stdout:
-        sys.stdout.write("\n".join(hyps) + "\n")
+        sys.stdout.write("".join(h + "\n" for h in hyps))
     if references is not None:
         tgt_lang = (ckpt.get("config") or {}).get("data", {}).get("tgt_lang")
         print(json.dumps(score(hyps, references, tgt_codec.lowercase, tgt_lang)),

@@ -244,14 +244,30 @@ def test_bom_and_crlf_are_read_as_plain_text(tmp_path, caplog):
     assert "carriage return" not in caplog.text.lower() and "\r" not in caplog.text
 
 
-def test_a_test_file_with_an_empty_line_is_translated_and_scored_whole(tmp_path):
-    """data=files: the run's test BLEU covers every line of the test files, an empty source line included (its
-    pair was skipped), as translate.py --reference scores them."""
-    data = data_dir(tmp_path, {"test.de": "ein Satz\n\nzwei Sätze\n", "test.en": "a sentence\nnothing\ntwo sentences\n"})
-    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=1", "trainer.eval_every=1",
-                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
-    assert train(cfg)["status"] == "completed"
-    assert len((tmp_path / "run" / "test.hyp.txt").read_text().splitlines()) == 3
+def test_a_test_file_with_an_empty_line_is_translated_and_scored_whole(tmp_path, capsys):
+    """data=files: the run's test BLEU covers every line of the test files, an empty or blank source line included
+    (its pair was skipped): the run writes and scores the translations translate.py --reference writes and scores,
+    an empty one for the blank sources (the run decoded them into words)."""
+    import json
+
+    import translate
+
+    data = data_dir(tmp_path, {"test.de": "ein Satz\n\nzwei Sätze\n  \n",
+                               "test.en": "a sentence\nnothing\ntwo sentences\nnone\n"})
+    # trained until it translates the training sentences: a blank source would then be decoded into words
+    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.max_steps=40", "trainer.eval_every=40",
+                         "optim.warmup_steps=5", "tokenizer.min_freq=1", run_dir=tmp_path / "run",
+                         cache_dir=tmp_path / "cache")
+    summary = train(cfg)
+    assert summary["status"] == "completed"
+    hyps = (tmp_path / "run" / "test.hyp.txt").read_text().split("\n")
+    assert len(hyps) == 5 and hyps[1] == hyps[3] == hyps[4] == "" and hyps[0] and hyps[2]
+    out = tmp_path / "again.txt"
+    capsys.readouterr()
+    assert translate.main([str(tmp_path / "run" / "checkpoints" / "best.pt"), "--input", str(data / "test.de"),
+                           "--reference", str(data / "test.en"), "--output", str(out), "--device", "cpu"]) == 0
+    assert out.read_text() == (tmp_path / "run" / "test.hyp.txt").read_text()
+    assert json.loads(capsys.readouterr().out)["bleu"] == summary["test_bleu"]
 
 
 def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):

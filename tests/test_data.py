@@ -589,6 +589,9 @@ def test_a_stray_carriage_return_is_a_space_and_old_mac_line_ends_are_refused(tm
         assert corpus_mod.read_lines(stray) == ["eins", "zwei drei", "vier"]
     assert [r.getMessage() for r in caplog.records] == [
         f"{stray}: 1 line(s) hold a carriage return (the first: line 2); read as a space"]
+    one = tmp_path / "one.de"  # one line, a stray carriage return in it, no line end: not a Mac file
+    one.write_bytes(b"zwei\rdrei")
+    assert corpus_mod.read_lines(one) == ["zwei drei"]
     mac = tmp_path / "mac.de"
     mac.write_bytes(b"eins\rzwei\r")
     with pytest.raises(DataError, match=r"mac.de:1: a carriage return inside the line \(old Mac line endings\?\)"):

@@ -284,6 +284,10 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
     source.write_text("\n\n")  # blank lines only: nothing to decode (XLM-R's tokenizer fails on no sentences)
     assert translate.main(["best.pt", "--input", str(source), "--device", "cpu"]) == 0
     assert capsys.readouterr().out == "\n\n"
+    source.write_text("")  # an empty file (an empty shard, a grep that matched nothing): no translations
+    assert translate.main(["best.pt", "--input", str(source), "--output", str(tmp_path / "none.en"), "--device",
+                           "cpu"]) == 0
+    assert (tmp_path / "none.en").read_text() == ""
 
 
 @pytest.mark.slow

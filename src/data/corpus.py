@@ -115,7 +115,7 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
             raise DataError(f"{path}: cannot read ({e})") from None
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
-    if not raw.strip() and not (blank_ok and raw):
+    if not raw.strip() and not blank_ok:
         raise DataError(f"{path}: file is empty")
     if raw.count(b"\x00") > len(raw) // 4:  # every other byte NUL: UTF-16 (UTF-8 text has none)
         raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")
@@ -129,7 +129,7 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
         lines.pop()
     lines = [line.removesuffix("\r").removeprefix("\ufeff") for line in lines]  # a BOM of files put end to end
     if "\r" in text and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
-        if "\n" not in text:  # one line of many: the file ends its lines with \r alone
+        if "\n" not in text and (text.count("\r") > 1 or text.endswith("\r")):  # lines ended with \r alone
             raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
                             "file to \\n line endings")
         # a stray one in a line, as web-crawled corpora have: whitespace, as BLEU's tokenizer would take it
@@ -155,8 +155,8 @@ def every_problem(calls: list[Callable[[], T]]) -> list[T]:
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = False) -> ParallelText:
     """Line pairs of two parallel files. Pairs with an empty side are skipped from training data (with a warning
-    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source translates to
-    whatever the model makes of it, an empty reference is scored as one, as translate.py scores such files."""
+    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source has an empty
+    translation, an empty reference is scored as one, as translate.py translates and scores such files."""
     src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     if len(src) != len(tgt):
         raise DataError(
