@@ -122,7 +122,11 @@ class Estimate:
 
 
 def usable_bytes(budget_gb: float, overhead: float = 0.10, context_gb: float = 0.5) -> float:
-    """The largest estimate that fits ``budget_gb``: ``Estimate.required_gb`` turned around."""
+    """The largest estimate that fits ``budget_gb`` (memory.budget_gb): ``Estimate.required_gb`` turned around."""
+    if budget_gb <= context_gb:
+        raise ConfigError(f"memory.budget_gb={budget_gb}: not more than the {context_gb} GB of the CUDA context "
+                          "(plan.context_gb), which the card holds beside what the run allocates; nothing fits. "
+                          "Give the card's memory in GB")
     return (budget_gb - context_gb) * GiB / (1 + overhead)
 
 
@@ -359,8 +363,10 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                     clip_grad_norm: float | None = 1.0, device: str = "cpu", world_size: int = 1,
                     configured: Estimate | None = None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
-    accumulation first (the effective batch stays the same), then amp with accumulation, then amp, checkpointing
-    and accumulation; within a stage, the fewest doublings of the accumulation that fit. Returns it, its estimate,
+    accumulation first (the effective batch stays the same), then amp with accumulation, then checkpointing with
+    accumulation, then amp, checkpointing and accumulation (checkpointing alone comes before both: with small
+    micro-batches amp can need more memory than fp32, its bf16 copies of the weights outweighing the activations it
+    halves); within a stage, the fewest doublings of the accumulation that fit. Returns it, its estimate,
     and the settings estimated that did not fit, in that order, with the choice last. A stage that does not fit as
     configured, and not even with micro-batches of one pair, is passed over after those two estimates; a later
     stage whose micro-batches of one pair do not fit, after that one. In the stage
@@ -372,7 +378,9 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
     if not base.amp:
         stages.append({"amp": amp})
     if not base.checkpoint:
-        stages.append({**stages[-1], "checkpoint": True})
+        stages.append({"checkpoint": True})
+        if not base.amp:
+            stages.append({"amp": amp, "checkpoint": True})
     estimates: dict = {}
 
     def shapes(accum: int) -> tuple[StepShape, ...]:
@@ -433,8 +441,8 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         candidate, est = plan(extra, doublings[hi])
         record(candidate, est)
         return candidate, est, tried
-    # not even the last stage with micro-batches of one pair, the least memory any setting needs
-    lowest, floor = plan(stages[-1], one_pair)
+    # no stage fits, not even with micro-batches of one pair: the least memory any setting needs
+    lowest, floor = min((plan(extra, one_pair) for extra in stages), key=lambda planned: planned[1].peak_bytes)
     largest = [f"{cat} {mb:,.0f}" for cat, mb in sorted(floor.split_mb().items(), key=lambda kv: -kv[1])[:3] if mb > 0]
     others = [hint for hint, applied in (("memory=chunked_ce (a large vocabulary's logits)", base.loss_chunk),
                                          ("memory=trim_vocab (tokenizer=xlmr's embeddings)", base.trim_vocab),
