@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = strategy.budget_gb
         print_one(*rows[0], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
-            print_fix(job, gpu, est)
+            print_fix(job, gpu, context, est)
     else:
         print_table(rows)
     return 0
@@ -108,9 +108,13 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{cost_note(strategy)}")
 
 
-def print_fix(job: list[str], gpu: float, configured) -> None:
+def print_fix(job: list[str], gpu: float, context: float, configured) -> None:
     """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
     estimate of the configured setting just printed."""
+    if gpu <= context:
+        print(f"to fit: nothing fits: plan.gpu_gb={gpu:g} is not more than the {context:g} GB of the CUDA context "
+              "(plan.context_gb); give the card's memory in GB")
+        return
     try:
         strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"]), configured)
     except UserError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import unicodedata
 from collections.abc import Sequence
 
 import torch
@@ -265,14 +266,19 @@ def score(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool 
           tgt_lang: str | None = None) -> dict:
     """Corpus BLEU and chrF of detokenized hypotheses against raw references, with sacreBLEU signatures;
     ``lowercase``: case-insensitive (for a tokenizer that lowercases; the signatures then say ``case:lc``);
-    ``tgt_lang``: BLEU tokenizes as sacreBLEU does for that language (``bleu_metric``)."""
+    ``tgt_lang``: BLEU tokenizes as sacreBLEU does for that language (``bleu_metric``). Both sides are compared in
+    Unicode's composed form (NFC), which the spaCy tokenizer writes: references typed with combining accents (NFD)
+    would otherwise miss every accented word of a correct translation (text already in NFC, as Multi30k's, is
+    unchanged)."""
     from sacrebleu.metrics import CHRF
 
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    hypotheses = [unicodedata.normalize("NFC", h) for h in hypotheses]
+    references = [unicodedata.normalize("NFC", r) for r in references]
     bleu, chrf = bleu_metric(lowercase, tgt_lang), CHRF(lowercase=lowercase)
-    b = bleu.corpus_score(list(hypotheses), [list(references)])
-    c = chrf.corpus_score(list(hypotheses), [list(references)])
+    b = bleu.corpus_score(hypotheses, [references])
+    c = chrf.corpus_score(hypotheses, [references])
     return {
         "bleu": round(b.score, 2),
         "chrf": round(c.score, 2),

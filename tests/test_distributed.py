@@ -196,6 +196,9 @@ def signalled_run(tmp_path_factory, shared_cache) -> tuple[subprocess.CompletedP
     tmp = tmp_path_factory.mktemp("signalled")
     proc = torchrun(str(ROOT / "train.py"), *SIGNALLED, "fault.kind=sigterm", "fault.at_step=3", "fault.rank=1",
                     f"hydra.run.dir={tmp / 'run'}", f"paths.cache_dir={shared_cache}", cwd=tmp)
+    # checked here, so that a launch that crashed (a native crash, which this file's tests are rerun for) fails
+    # this fixture, which the rerun then makes again, and not the tests that would reuse the crashed launch
+    assert "SIGTERM at step 3: checkpoint written" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     return proc, tmp / "run"
 
 

@@ -138,6 +138,10 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
                     r"\(micro-batches of up to 8 pairs\): ([\d,.]+) MiB, the same effective batch", out)
     assert fix, out
     assert float(fix.group(1).replace(",", "")) * 1.10 / 1024 + 0.5 <= 12
+    # a card no larger than the CUDA context: said so, in plan.py's own key (it named memory.budget_gb)
+    assert plan.main([*common[:-1], "plan.gpu_gb=0.4"]) == 0
+    assert ("to fit: nothing fits: plan.gpu_gb=0.4 is not more than the 0.5 GB of the CUDA context (plan.context_gb)"
+            in capsys.readouterr().out)
     # the sweep's table
     assert plan.main(["-m", "memory=none,[amp,checkpoint,chunked_ce]", *common]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith("| run")]

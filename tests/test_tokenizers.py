@@ -89,6 +89,16 @@ def test_words_typed_with_combining_accents_are_the_vocabularys_words():
     assert nfd != "Zwei Männer laufen ." and codec.encode([nfd]) == codec.encode(["Zwei Männer laufen ."])
     assert codec.unk_id not in codec.encode([nfd])[0]
     assert SpacyCodec.build([nfd] * 3, "de").itos == codec.itos
+    # an NFD corpus: its correct translations score 100 against its NFD references (the hypotheses are NFC)
+    from src.evaluate import score
+
+    refs = [unicodedata.normalize("NFD", t) for t in ("Zwei Männer laufen über die Straße .", "Ein Mädchen hört .")]
+    nfd_codec = SpacyCodec.build(refs * 3, "de")
+    assert score([nfd_codec.decode(ids) for ids in nfd_codec.encode(refs)], refs, False, "de")["bleu"] == 100
+    # lowercasing can decompose (T with a combining diaeresis lowercases to t and the mark): NFC after it
+    lower = SpacyCodec.build(["the \u1e97 sign ."] * 3, "en", lowercase=True)
+    assert lower.encode(["THE T\u0308 SIGN ."]) == lower.encode(["the \u1e97 sign ."])
+    assert lower.unk_id not in lower.encode(["THE T\u0308 SIGN ."])[0]
 
 
 def test_detokenization_credits_each_space_to_the_token_that_explains_it():
