@@ -163,9 +163,9 @@ class SpacyCodec(Codec):
         return self._tokenizer
 
     def spacy_docs(self, texts: Sequence[str]) -> Iterator:
-        """Each text's spaCy doc, in Unicode's composed form (NFC, after lowercasing, which can decompose: T with a
-        combining diaeresis, U+0308, lowercases to "t" and the mark): a word typed with combining accents (NFD) is the vocabulary's
-        word, not ``<unk>``. BLEU compares NFC text too (``evaluate.score``)."""
+        """Each text's spaCy doc, in Unicode's composed form (NFC; after lowercasing, which can decompose: T with
+        a combining diaeresis, U+0308, lowercases to "t" and the mark): a word typed with combining accents (NFD)
+        is the vocabulary's word, not ``<unk>``. BLEU compares NFC text too (``evaluate.score``)."""
         texts = [t.lower() for t in texts] if self.lowercase else texts
         return self.tokenizer.pipe([unicodedata.normalize("NFC", t) for t in texts], batch_size=1000)
 
