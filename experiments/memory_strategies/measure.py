@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from src.data.batching import limit_lengths, micro_batches, pair_sizes, token_batch_indices  # noqa: E402
 from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
+from src.errors import UserError  # noqa: E402
 from src.fileio import atomic_path, write_json, write_text  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
@@ -167,6 +168,8 @@ def main() -> None:
     p.add_argument("--xlmr", help="the real XLM-R tokenizer (hub name or save_pretrained directory): adds rows with "
                                   "its ids, and trim_vocab")
     args = p.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit(f"error: --device {args.device}: no CUDA device is visible here; measure on the CPU with --device cpu")
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,8 +179,13 @@ def main() -> None:
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
         return
     cache = Path(os.environ.get("MT_CACHE_DIR") or ROOT / ".cache")  # where train.py keeps it (paths.cache_dir)
-    corpus = load_multi30k("de", "en", args.root, cache)
-    encoded = encode_corpus(corpus, SPACY, cache)
+    try:
+        corpus = load_multi30k("de", "en", args.root, cache)
+        encoded = encode_corpus(corpus, SPACY, cache)
+        # the real XLM-R tokenizer: its ids, and trim_vocab
+        full = encode_corpus(corpus, {"name": "xlmr", "name_or_path": args.xlmr}, cache) if args.xlmr else None
+    except UserError as e:  # the corpus or the tokenizer: one line, naming the flag
+        sys.exit(f"error: {e} (--root {args.root}" + (f", --xlmr {args.xlmr})" if args.xlmr else ")"))
     train = encoded.splits["train"]
     idx = fixed_batch(corpus)
     sizes = pair_sizes(train)
@@ -198,8 +206,7 @@ def main() -> None:
                          len(encoded.src_codec), len(encoded.tgt_codec), False))
     for label in XLMR_CONFIGS:
         jobs.append((label, "xlmr-size", strategy(*label.split("+")), train, idx[:32], XLMR_VOCAB, XLMR_VOCAB, True))
-    if args.xlmr:  # the real XLM-R tokenizer: its ids, and trim_vocab
-        full = encode_corpus(corpus, {"name": "xlmr", "name_or_path": args.xlmr}, cache)
+    if full is not None:
         trimmed = trim_vocabulary(full)
         for label in ("none", "chunked_ce", "trim_vocab", "trim_vocab+chunked_ce"):
             enc = trimmed if "trim_vocab" in label else full

@@ -40,7 +40,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from run import BASE, commit, run_train  # noqa: E402
+from run import BASE, TrainFailed, commit, run_train  # noqa: E402
 from src.fileio import write_json, write_text  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
 
@@ -90,7 +90,8 @@ def main() -> None:
                "torch": torch.__version__,
                "cuda": torch.version.cuda, "matmul_bf16_tflops": round(bf16_rate / 1e12, 1),
                "matmul_fp32_tflops": round(fp32_rate / 1e12, 1),
-               "datasheet_bf16_tflops": peak and round(peak / 1e12, 1), "runs": {}}
+               "datasheet_bf16_tflops": peak and round(peak / 1e12, 1), "runs": {}, "failed": {}}
+    write(results, out)  # the rates, whatever happens next
 
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     common = [*args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}",
@@ -99,7 +100,13 @@ def main() -> None:
     def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
-        r = run_train(run_dir, overrides)  # with the model FLOPs of its timed steps, as the run logged them
+        try:
+            r = run_train(run_dir, overrides)  # with the model FLOPs of its timed steps, as the run logged them
+        except TrainFailed as e:  # recorded, and the other parts still run: one device session has them all
+            print(e, flush=True)
+            results["failed"][label] = str(e).splitlines()[-1]
+            write(results, out)
+            return
         achieved = r["achieved_gflops"] * 1e9
         r |= {"achieved_tflops": round(achieved / 1e12, 1),
               "mfu_of_measured_matmul": round(achieved / rate, 3),
@@ -145,6 +152,8 @@ def main() -> None:
         write(results, out)
     if "compile" not in args.skip:  # last: compiling takes minutes, and the parts above matter more
         train_run("bf16+compile", ["memory=amp", "trainer.compile=true"], bf16_rate)
+    if results["failed"]:
+        sys.exit(f"error: {', '.join(results['failed'])} failed; {out / 'results_gpu.md'} says why")
 
 
 def _mib(value: float | None) -> str:
@@ -167,6 +176,8 @@ def write(results: dict, out: Path) -> None:
                      f"{_mib(r['peak_memory_mb'])} | {_mib(r['peak_reserved_mb'])} | {r['loss_last']:.3f} | "
                      f"{r['gflops_per_step']:,.1f} | {r['achieved_tflops']:.1f} | "
                      f"{r['mfu_of_measured_matmul']:.1%} | {sheet} |")
+    for label, error in results.get("failed", {}).items():
+        lines.append(f"| {label} | failed: {error.replace('|', '/')} |" + " |" * 8)
     if d := results.get("determinism"):
         if d.get("exit_codes", [0, 0]) != [0, 0] or not all(d["steps"]) or len(set(d["steps"])) > 1:
             lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed: not compared (exit statuses "

@@ -46,13 +46,18 @@ def commit() -> str:
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
+class TrainFailed(RuntimeError):
+    """A train.py run that exited non-zero: its command and the end of its output."""
+
+
 def run_train(run_dir: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "train.py", "experiment=throughput_ref", "trainer.progress=false",
            f"hydra.run.dir={run_dir}", *overrides]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # one stream: train.py logs its one-line errors through Hydra's logger, to standard output
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        raise TrainFailed(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:].rstrip()}")
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "loss" in r]
@@ -123,7 +128,10 @@ def main() -> None:
         configs["model=base"] = [*BASE, f"trainer.max_steps={args.base_steps}", f"trainer.eval_every={args.base_steps}",
                                  *args.extra]
     for name, overrides in configs.items():
-        r = run_train(runs / name.replace("=", "_"), overrides)
+        try:
+            r = run_train(runs / name.replace("=", "_"), overrides)
+        except TrainFailed as e:
+            sys.exit(f"error: {e}")
         r["fraction_of_matmul_rate"] = round(r["achieved_gflops"] * 1e9 / rate, 3)
         results[name] = r
         print(name, r, flush=True)
