@@ -104,7 +104,8 @@ def main() -> None:
             r = run_train(run_dir, overrides)  # with the model FLOPs of its timed steps, as the run logged them
         except TrainFailed as e:  # recorded, and the other parts still run: one device session has them all
             print(e, flush=True)
-            results["failed"][label] = str(e).splitlines()[-1]
+            lines = [line for line in str(e).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+            results["failed"][label] = lines[-1]  # the error, not Hydra's hint after it
             write(results, out)
             return
         achieved = r["achieved_gflops"] * 1e9
