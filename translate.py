@@ -68,26 +68,23 @@ def main(argv: list[str] | None = None) -> int:
         references = read_lines(args.reference) if args.reference else None
         if references is not None and len(references) != len(sources):
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
-        kept = [i for i, line in enumerate(sources) if line.strip()]  # a blank line: an empty translation
-        with torch.inference_mode():
-            decoded = translate(model, [sources[i] for i in kept], src_codec, tgt_codec, device,
-                                batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
-                                alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
-                                max_len_b=decoding["max_len_b"],
-                                autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
-        hyps = [""] * len(sources)
-        for i, hyp in zip(kept, decoded):
-            hyps[i] = hyp
+        with torch.inference_mode():  # a blank line: an empty translation
+            hyps = translate(model, sources, src_codec, tgt_codec, device,
+                             batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
+                             alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
+                             max_len_b=decoding["max_len_b"],
+                             autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
+        text = "".join(h + "\n" for h in hyps)
         if not to_stdout:
             try:
-                write_text(args.output, "".join(h + "\n" for h in hyps))
+                write_text(args.output, text)
             except OSError as e:
                 raise UserError(f"--output {args.output}: cannot write ({e.strerror or e})") from None
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if to_stdout:
-        sys.stdout.write("".join(h + "\n" for h in hyps))
+        sys.stdout.write(text)
     if references is not None:
         tgt_lang = (ckpt.get("config") or {}).get("data", {}).get("tgt_lang")
         print(json.dumps(score(hyps, references, tgt_codec.lowercase, tgt_lang)),

@@ -214,9 +214,10 @@ def translate_ids(
     ``beam_size`` > 1 (``alpha``: its length penalty). Each sentence may produce up to ``max_len_a * its source
     length + max_len_b`` tokens, ``</s>`` counted on both sides (fairseq's ``--max-len-a/b``, which fairseq applies
     with the longest source of the batch): so a translation does not depend on the sentences batched with it, and
-    ``batch_size`` changes nothing but rounding."""
+    ``batch_size`` changes nothing but rounding. A source of no tokens (a blank line a held-out split keeps) has an
+    empty translation, as translate.py writes for a blank line: it is not decoded."""
     eos = torch.tensor([src_codec.eos_id])
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    order = sorted((i for i in range(len(sources)) if len(sources[i])), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
@@ -241,9 +242,13 @@ def translate(
     device: torch.device,
     **kwargs,
 ) -> list[str]:
-    """Plain-text translations of plain-text sentences."""
-    sources = [torch.tensor(ids, dtype=torch.long) for ids in src_codec.encode(texts)]
-    return [tgt_codec.decode(ids) for ids in translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)]
+    """Plain-text translations of plain-text sentences; a blank one's is empty (it is not tokenized either)."""
+    kept = [i for i, text in enumerate(texts) if text.strip()]
+    sources = [torch.tensor(ids, dtype=torch.long) for ids in src_codec.encode([texts[i] for i in kept])]
+    out = [""] * len(texts)
+    for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)):
+        out[i] = tgt_codec.decode(ids)
+    return out
 
 
 def bleu_metric(lowercase: bool = False, tgt_lang: str | None = None):

@@ -396,8 +396,7 @@ class Evaluator:
             model, s.encoded.src, self.src_codec, self.tgt_codec, self.device, batch, tr["max_len_a"],
             tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
-        # a blank source line (kept in a held-out split: no tokens) is an empty translation, as translate.py writes it
-        hyps = [self.tgt_codec.decode(ids) if len(src) else "" for ids, src in zip(hyp_ids, s.encoded.src, strict=True)]
+        hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
         return score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang), hyps
 
     def _backing_off(self, task: Callable[[int], T], what: str) -> T:
