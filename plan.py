@@ -55,17 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    rows = []
+    rows, failed = [], []
     try:
         check_command_line(["-m", *args.overrides] if args.multirun else args.overrides)
-        for job in jobs(args.overrides, args.multirun):
-            conf = resolved(job)
-            strategy, est, info = plan_config(conf)
+        sweep = jobs(args.overrides, args.multirun)
+        for job in sweep:
+            try:
+                conf = resolved(job)
+                strategy, est, info = plan_config(conf)
+            except UserError as e:  # in a sweep, as train.py -m does, one job that cannot run leaves the others
+                if len(sweep) == 1:
+                    raise
+                failed.append((job, e))
+                continue
             rows.append((job, conf, strategy, est, info))
     except UserError as e:
         print(error_lines(e), file=sys.stderr)
         return 1
-    if len(rows) == 1:
+    if not rows:
+        print_failed(failed, sweep)
+        return 1
+    if len(rows) == 1 and not failed:
         job, conf, strategy, est, _ = rows[0]
         gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], context_gb(conf["plan"])
         if strategy.auto:  # its choice is checked against the budget it was chosen for, not plan.gpu_gb
@@ -75,7 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             print_fix(job, gpu, context, est)
     else:
         print_table(rows)
+        print_failed(failed, sweep)
     return 0
+
+
+def print_failed(failed: list, sweep: list[list[str]]) -> None:
+    """The jobs of a sweep that cannot be planned, each named by what the sweep varies and with its error."""
+    shared = set.intersection(*(set(job) for job in sweep))
+    for job, e in failed:
+        name = " ".join(o for o in job if o not in shared) or " ".join(job)
+        print(f"error: {name}: not planned: " + "; ".join(str(e).splitlines()), file=sys.stderr)
 
 
 DEVICE_NOTE = {"cuda": "for CUDA (plan.device: attention in fused kernels)",

@@ -229,6 +229,25 @@ def test_plan_settings_are_checked_before_the_data_is_read(override, message, ca
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
 
 
+def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
+    """One job of plan.py -m that has no plan (memory=auto with a budget nothing fits) ended the whole sweep with
+    its error; train.py -m runs the others, and plan.py now plans them and names the one it could not."""
+    import plan
+
+    tiny = ["model=tiny", "plan.src_len=50", "plan.tgt_len=50", "plan.src_vocab=100", "plan.tgt_vocab=100",
+            "memory.budget_gb=0.1", "plan.gpu_gb=0.1"]
+    assert plan.main(["-m", "memory=auto,amp", *tiny]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ")] == ["| run", "| amp"]
+    assert err.splitlines() == ["error: memory=auto: not planned: memory.budget_gb=0.1: not more than the 0.5 GB of "
+                                "the CUDA context (plan.context_gb), which the card holds beside what the run "
+                                "allocates; nothing fits. Give the card's memory in GB"]
+    assert plan.main(["-m", "memory=auto,[auto,amp]", *tiny]) == 1  # no job planned: an error, as one job's is
+    out, err = capsys.readouterr()
+    assert out == "" and [line.split(": not planned")[0] for line in err.splitlines()] == [
+        "error: memory=auto", "error: memory=[auto,amp]"]
+
+
 def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     """plan.py -m plans the jobs train.py -m runs: a preset's own sweep (experiment=memory_sweep's eight jobs; it
     planned one) and a glob over a group's options (a traceback: "ConfigLoader is not set"). A required setting
