@@ -22,9 +22,10 @@ from omegaconf import DictConfig
 from src import callbacks as sweep
 from src.config_check import check_command_line, check_launcher
 from src.errors import UserError, error_lines
+from src.faults import pass_on_signal
 from src.memory import free_earlier_runs
 from src.report import evaluated_on
-from src.run import pass_on_signal, train
+from src.run import train
 
 log = logging.getLogger("train")
 

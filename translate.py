@@ -26,7 +26,7 @@ from src.errors import UserError
 from src.evaluate import score, translate
 from src.fileio import write_text
 from src.memory import MemoryStrategy
-from src.run import resolve_device
+from src.settings import resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:

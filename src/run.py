@@ -1,5 +1,5 @@
-"""``train(cfg)``: a whole run from a composed config. The only place, with ``train.py``, that reads a
-``DictConfig``; everything it calls takes plain arguments.
+"""``train(cfg)``: a whole run from a composed config. It turns the ``DictConfig`` into plain data
+(``settings.resolve_config``), and everything it calls takes plain arguments.
 
 Flow: corpus -> tokenizers and encoded splits (cached) -> truncation -> model, optimizer, schedule ->
 training loop with periodic validation (loss, BLEU), best and last checkpoints -> test BLEU of the best
@@ -16,7 +16,6 @@ import math
 import os
 import random
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -25,7 +24,6 @@ from typing import TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from . import planner
@@ -35,7 +33,6 @@ from .data.corpus import (
     MULTI30K_URL,
     Corpus,
     ParallelText,
-    check_data,
     load_files,
     load_multi30k,
     load_synthetic,
@@ -53,8 +50,9 @@ from .distributed import (
     world_from_env,
 )
 from .environment import environment
-from .errors import ConfigError, DataError, NumericalError, UserError, check_int, check_number
+from .errors import ConfigError, DataError, NumericalError, UserError
 from .evaluate import check_scoring, score, translate_ids, validation_loss
+from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
 from .fileio import write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
@@ -69,6 +67,7 @@ from .memory import (
 )
 from .model import ModelArgs, Transformer
 from .profiling import StepProfiler
+from .settings import check_settings, resolve_config, resolve_device
 from .state import (
     Progress,
     check_resumable,
@@ -82,7 +81,7 @@ from .state import (
     stale_best,
     step_checkpoints,
 )
-from .tokenizers import check_tokenizer, save_codecs
+from .tokenizers import save_codecs
 from .trainer import AgreedOutOfMemoryError, LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
 
 T = TypeVar("T")
@@ -91,117 +90,6 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ building
-
-
-def resolve_device(name: str, key: str = "trainer.device=") -> torch.device:
-    """``key``: how the setting is named in the errors (translate.py's is ``--device ``)."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"{key}{name}: no CUDA device is visible; use {key}cpu (or auto)")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"{key}{name}: expected auto, cpu or cuda")
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # cuda:x
-        raise ConfigError(f"{key}{name}: expected auto, cpu, cuda or cuda:<index>") from None
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"{key}{name}: {torch.cuda.device_count()} CUDA device(s) visible, numbered from 0")
-    return device
-
-
-def check_trainer(tr: dict) -> None:
-    """The trainer group's settings, each checked before the data is read (a mistake found after tokenizing a large
-    corpus, or after hours of training, is found too late)."""
-    max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
-    check_int("trainer.max_steps", max_steps, 1, nullable=True)
-    check_int("trainer.max_epochs", max_epochs, 1, nullable=True)
-    if not max_steps and not max_epochs:
-        raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
-    for key in ("log_every", "eval_batch_size", "beam_size", "profile_steps", "keep_last"):
-        check_int(f"trainer.{key}", tr.get(key), 1)
-    for key in ("eval_every", "save_every", "limit_eval", "overfit_batches", "memory_every", "threads",
-                "average_last"):
-        check_int(f"trainer.{key}", tr.get(key), 1, nullable=True)
-    for key in ("num_samples", "max_nonfinite"):
-        check_int(f"trainer.{key}", tr.get(key), 0)
-    check_int("trainer.profile_from", tr.get("profile_from"), 0, nullable=True)
-    check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
-    check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
-                                                                  "+ max_len_b tokens)")
-    check_number("trainer.length_penalty", tr.get("length_penalty"), 0, why=" (0: no length penalty)")
-    check_number("trainer.peak_tflops", tr.get("peak_tflops"), 0, strict=True, nullable=True,
-                 why=" (one device's datasheet TFLOP/s at the run's precision; null: no MFU)")
-    if tr.get("average_last") and tr["average_last"] > tr["keep_last"]:
-        raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
-                          f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
-    if tr.get("on_nonfinite") not in ("skip", "stop"):
-        raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
-
-
-def check_model(model: dict) -> None:
-    """The model group's sizes, rates and initialization (before the data is read)."""
-    for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
-        if key in model:
-            check_int(f"model.{key}", model[key], 1)
-    for key in ("dropout", "attention_dropout", "activation_dropout"):
-        if key in model:
-            check_number(f"model.{key}", model[key], 0, below=1, nullable=key != "dropout")
-    d_model, n_heads = model.get("d_model", 512), model.get("n_heads", 8)
-    if d_model % n_heads:
-        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
-    if model.get("init", "xavier") not in ("xavier", "fairseq"):
-        raise ConfigError(f"model.init={model['init']}: expected xavier or fairseq")
-
-
-def check_optim(optim: dict) -> None:
-    """The optimizer group's settings (before the data is read)."""
-    check_number("optim.lr", optim.get("lr"), 0, strict=True, nullable=True, why=" (null: the paper's schedule)")
-    check_number("optim.lr_factor", optim.get("lr_factor", 1.0), 0, strict=True)
-    check_int("optim.warmup_steps", optim.get("warmup_steps"), 0)
-    check_number("optim.eps", optim.get("eps"), 0, strict=True)
-    check_number("optim.weight_decay", optim.get("weight_decay", 0.0), 0)
-    check_number("optim.label_smoothing", optim.get("label_smoothing"), 0, below=1)
-    check_number("optim.clip_grad_norm", optim.get("clip_grad_norm"), 0, strict=True, nullable=True,
-                 why=" (null: no clipping)")
-    betas = optim.get("betas")
-    if not isinstance(betas, list | tuple) or len(betas) != 2:
-        raise ConfigError(f"optim.betas={betas}: expected two numbers, e.g. [0.9,0.98]")
-    for i, beta in enumerate(betas):
-        check_number(f"optim.betas[{i}]", beta, 0, below=1)
-
-
-def check_plan(plan: dict) -> None:
-    """The plan group's settings (plan.py, and memory=auto's margins), before the data is read."""
-    planner.check_device(plan.get("device", "cuda"))
-    check_number("plan.gpu_gb", plan.get("gpu_gb", 12.0), 0, strict=True)
-    check_number("plan.overhead", plan.get("overhead", 0.10), 0, why=" (0.10: 10% on top of the estimate)")
-    check_number("plan.context_gb", plan.get("context_gb", 0.5), 0)
-    for key in ("src_len", "tgt_len", "src_vocab", "tgt_vocab", "world_size"):
-        check_int(f"plan.{key}", plan.get(key), 1, nullable=True)
-
-
-def resolve_config(cfg: DictConfig) -> dict:
-    """The config as plain data, every interpolation resolved; a required key left unset or an interpolation that
-    does not resolve is one line."""
-    try:
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
-
-
-def check_settings(conf: dict) -> None:
-    """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
-    optimizer, data, tokenizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
-    check_trainer(conf["trainer"])
-    check_model(conf["model"])
-    check_optim(conf["optim"])
-    check_data(conf["data"])
-    check_tokenizer(conf["tokenizer"])
-    check_int("data.batch_size", conf["data"].get("batch_size"), 1)
-    check_plan(conf.get("plan") or {})
 
 
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
@@ -651,7 +539,7 @@ class TrainingRun:
             log.warning("trainer.reuse_host_memory=false, but an earlier run in this process (a sweep's job) made "
                         "malloc keep freed memory, which cannot be undone: this run keeps it too")
             reuse_host_memory = True
-        self.fault = Fault(**_fault_settings(self.conf, world.rank))
+        self.fault = Fault(**fault_settings(self.conf, world.rank))
         seed_everything(self.conf["seed"])
         self.corpus, self.encoded, self.train_split, info = prepare_data(self.conf, strategy, world=world)
         self.info = info
@@ -1126,106 +1014,6 @@ class TrainingRun:
             "sacrebleu_signature": test_scores["bleu_signature"],
             "chrf_signature": test_scores["chrf_signature"],
         }
-
-
-class Fault:
-    """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
-    failure mid-run, on any device, is recorded and handled as a real one would be."""
-
-    KINDS = ("oom", "oom_update", "error", "nan_loss", "sigterm", "sigusr2", "kill")
-    SIGNALS = {"sigterm": signal.SIGTERM, "sigusr2": signal.SIGUSR2, "kill": signal.SIGKILL}
-
-    def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
-        if kind is not None and kind not in self.KINDS:
-            raise ConfigError(f"fault.kind={kind}: expected null, {', '.join(self.KINDS[:-1])} or {self.KINDS[-1]}")
-        self.kind, self.at_step, self.times = kind, at_step, times
-
-    def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:
-        """Act on the first ``times`` attempts at step ``at_step`` (a step redone after a back-off is another
-        attempt): raise ``error``, make the step run out of memory in its first forward pass (``oom``) or in its
-        update (``oom_update``), or its loss NaN (``nan_loss``), or
-        send this process SIGTERM (``sigterm``: a preemption, handled after the step), SIGUSR2 (``sigusr2``:
-        submitit's requeue signal) or SIGKILL (``kill``: a crash, nothing handled)."""
-        if self.kind is None or step != self.at_step or self.times <= 0:
-            return
-        self.times -= 1
-        where = f"(fault injected at step {step} by fault.kind={self.kind})"
-        if self.kind == "oom":  # raised by the trainer at the step's first forward pass, as a real one would be
-            trainer.inject_oom = f"CUDA out of memory. Tried to allocate 1.91 GiB {where}"
-        elif self.kind == "oom_update":  # at the step's update, after backward (Adam's first step making its state)
-            trainer.inject_oom_update = f"CUDA out of memory. Tried to allocate 256.00 MiB {where}"
-        elif self.kind == "nan_loss":
-            trainer.inject_nonfinite = True
-        elif self.kind in self.SIGNALS:
-            os.kill(os.getpid(), self.SIGNALS[self.kind])
-        else:
-            raise RuntimeError(f"injected failure {where}")
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: the run stopped after a whole step and wrote a checkpoint to resume from."""
-
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint written; continue with "
-                         "trainer.resume=auto in the same run directory")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """While training: SIGINT and SIGTERM (a SLURM preemption) ask the loop to stop after the current step; a
-    second SIGINT stops at once. Only in the main thread, where Python delivers signals."""
-    flag = type("Stop", (), {"signum": None})()
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-
-    def handler(signum, frame):
-        if flag.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        flag.signum = signum
-        log.warning("%s received: stopping after this step", signal.Signals(signum).name)
-
-    # SIGUSR2 too where a handler listens for it: submitit's, which requeues a SLURM job before its time limit or
-    # on preemption. The run checkpoints first; train.py then hands the signal on (pass_on_signal).
-    listened = [s for s in (signal.SIGUSR1, signal.SIGUSR2) if callable(signal.getsignal(s))]
-    signals = [signal.SIGINT, signal.SIGTERM, *listened]
-    previous = {s: signal.signal(s, handler) for s in signals}
-    try:
-        yield flag
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def pass_on_signal(signum: int) -> None:
-    """After an interrupted run wrote its checkpoint: SIGUSR1/SIGUSR2 go to the handler that listened before the
-    run (submitit requeues the job, which then resumes); nothing to do for the others."""
-    previous = signal.getsignal(signum)
-    if signum in (signal.SIGUSR1, signal.SIGUSR2) and callable(previous):
-        previous(signum, None)
-
-
-def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
-    """trainer.resume, or ``auto`` for a requeued job (after a preemption or a time limit), which continues from
-    its own newest checkpoint: one that SLURM restarted (SLURM_RESTART_COUNT > 0), whatever trainer.resume it was
-    started with (``never`` starts its first attempt over, not every attempt), or, unless trainer.resume says
-    otherwise, a submitit job whose run directory already holds checkpoints (a sweep's jobs start in fresh
-    directories, so only a requeue finds them)."""
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    submitit = trainer.get("resume") is None and os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
-    if restarts or submitit:
-        log.info("a requeued job (%s): resuming from its newest checkpoint",
-                 f"SLURM_RESTART_COUNT={restarts}" if restarts else "submitit, checkpoints in its run directory")
-        return "auto"
-    return trainer.get("resume")
-
-
-def _fault_settings(conf: dict, rank: int) -> dict:
-    fault = conf.get("fault") or {}
-    targeted = fault.get("rank") is None or fault["rank"] == rank  # torchrun: fault.rank alone fails, if set
-    return {"kind": fault.get("kind") if targeted else None, "at_step": fault.get("at_step", 1),
-            "times": fault.get("times", 1)}
 
 
 def _round(x: float | None, digits: int = 1) -> float | None:

@@ -213,7 +213,7 @@ def test_bad_corpus_files(what, files, message, tmp_path):
 
 
 def test_a_gpu_index_beyond_those_visible(monkeypatch):
-    from src.run import resolve_device
+    from src.settings import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from src.config_check import check_launcher
 from src.errors import ConfigError
-from src.run import pass_on_signal, resume_setting, stop_on_signals
+from src.faults import pass_on_signal, resume_setting, stop_on_signals
 
 from .conftest import CONF, FAST
 from .helpers import run_cli

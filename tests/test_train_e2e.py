@@ -465,7 +465,7 @@ def test_a_sweeps_next_cuda_job_reserves_its_own_memory(tmp_path, shared_cache):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU exists")
 def test_asking_for_a_missing_gpu_is_one_clear_line():
     from src.errors import ConfigError
-    from src.run import resolve_device
+    from src.settings import resolve_device
 
     with pytest.raises(ConfigError, match="trainer.device=cuda: no CUDA device is visible; use trainer.device=cpu"):
         resolve_device("cuda")

@@ -1,0 +1,124 @@
+"""The settings ``train.py`` and ``plan.py`` check before any data is read: each mistake as one line naming the key
+(a mistake found after tokenizing a large corpus, or after hours of training, is found too late)."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from . import planner
+from .data.corpus import check_data
+from .errors import ConfigError, check_int, check_number
+from .tokenizers import check_tokenizer
+
+
+def resolve_device(name: str, key: str = "trainer.device=") -> torch.device:
+    """``key``: how the setting is named in the errors (translate.py's is ``--device ``)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{key}{name}: no CUDA device is visible; use {key}cpu (or auto)")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"{key}{name}: expected auto, cpu or cuda")
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # cuda:x
+        raise ConfigError(f"{key}{name}: expected auto, cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{key}{name}: {torch.cuda.device_count()} CUDA device(s) visible, numbered from 0")
+    return device
+
+
+def check_trainer(tr: dict) -> None:
+    """The trainer group's settings, each checked before the data is read (a mistake found after tokenizing a large
+    corpus, or after hours of training, is found too late)."""
+    max_steps, max_epochs = tr.get("max_steps"), tr.get("max_epochs")
+    check_int("trainer.max_steps", max_steps, 1, nullable=True)
+    check_int("trainer.max_epochs", max_epochs, 1, nullable=True)
+    if not max_steps and not max_epochs:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs (or both)")
+    for key in ("log_every", "eval_batch_size", "beam_size", "profile_steps", "keep_last"):
+        check_int(f"trainer.{key}", tr.get(key), 1)
+    for key in ("eval_every", "save_every", "limit_eval", "overfit_batches", "memory_every", "threads",
+                "average_last"):
+        check_int(f"trainer.{key}", tr.get(key), 1, nullable=True)
+    for key in ("num_samples", "max_nonfinite"):
+        check_int(f"trainer.{key}", tr.get(key), 0)
+    check_int("trainer.profile_from", tr.get("profile_from"), 0, nullable=True)
+    check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
+    check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
+                                                                  "+ max_len_b tokens)")
+    check_number("trainer.length_penalty", tr.get("length_penalty"), 0, why=" (0: no length penalty)")
+    check_number("trainer.peak_tflops", tr.get("peak_tflops"), 0, strict=True, nullable=True,
+                 why=" (one device's datasheet TFLOP/s at the run's precision; null: no MFU)")
+    if tr.get("average_last") and tr["average_last"] > tr["keep_last"]:
+        raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
+                          f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
+    if tr.get("on_nonfinite") not in ("skip", "stop"):
+        raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
+
+
+def check_model(model: dict) -> None:
+    """The model group's sizes, rates and initialization (before the data is read)."""
+    for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
+        if key in model:
+            check_int(f"model.{key}", model[key], 1)
+    for key in ("dropout", "attention_dropout", "activation_dropout"):
+        if key in model:
+            check_number(f"model.{key}", model[key], 0, below=1, nullable=key != "dropout")
+    d_model, n_heads = model.get("d_model", 512), model.get("n_heads", 8)
+    if d_model % n_heads:
+        raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
+    if model.get("init", "xavier") not in ("xavier", "fairseq"):
+        raise ConfigError(f"model.init={model['init']}: expected xavier or fairseq")
+
+
+def check_optim(optim: dict) -> None:
+    """The optimizer group's settings (before the data is read)."""
+    check_number("optim.lr", optim.get("lr"), 0, strict=True, nullable=True, why=" (null: the paper's schedule)")
+    check_number("optim.lr_factor", optim.get("lr_factor", 1.0), 0, strict=True)
+    check_int("optim.warmup_steps", optim.get("warmup_steps"), 0)
+    check_number("optim.eps", optim.get("eps"), 0, strict=True)
+    check_number("optim.weight_decay", optim.get("weight_decay", 0.0), 0)
+    check_number("optim.label_smoothing", optim.get("label_smoothing"), 0, below=1)
+    check_number("optim.clip_grad_norm", optim.get("clip_grad_norm"), 0, strict=True, nullable=True,
+                 why=" (null: no clipping)")
+    betas = optim.get("betas")
+    if not isinstance(betas, list | tuple) or len(betas) != 2:
+        raise ConfigError(f"optim.betas={betas}: expected two numbers, e.g. [0.9,0.98]")
+    for i, beta in enumerate(betas):
+        check_number(f"optim.betas[{i}]", beta, 0, below=1)
+
+
+def check_plan(plan: dict) -> None:
+    """The plan group's settings (plan.py, and memory=auto's margins), before the data is read."""
+    planner.check_device(plan.get("device", "cuda"))
+    check_number("plan.gpu_gb", plan.get("gpu_gb", 12.0), 0, strict=True)
+    check_number("plan.overhead", plan.get("overhead", 0.10), 0, why=" (0.10: 10% on top of the estimate)")
+    check_number("plan.context_gb", plan.get("context_gb", 0.5), 0)
+    for key in ("src_len", "tgt_len", "src_vocab", "tgt_vocab", "world_size"):
+        check_int(f"plan.{key}", plan.get(key), 1, nullable=True)
+
+
+def resolve_config(cfg: DictConfig) -> dict:
+    """The config as plain data, every interpolation resolved; a required key left unset or an interpolation that
+    does not resolve is one line."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+def check_settings(conf: dict) -> None:
+    """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
+    optimizer, data, tokenizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
+    check_trainer(conf["trainer"])
+    check_model(conf["model"])
+    check_optim(conf["optim"])
+    check_data(conf["data"])
+    check_tokenizer(conf["tokenizer"])
+    check_int("data.batch_size", conf["data"].get("batch_size"), 1)
+    check_plan(conf.get("plan") or {})
