@@ -77,9 +77,7 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     try:
         ckpt = load_checkpoint(path, device)
     except Exception as e:
-        with path.open("rb") as f:
-            zipped = f.read(4) == b"PK\x03\x04"
-        if not zipped:  # torch.save writes zip archives: a text file given as a checkpoint? (not a truncated one)
+        if not zipped(path):
             raise UserError(f"{path}: not a checkpoint (not a zip archive, as torch.save writes: a text file? "
                             "translate.py takes its sentences with --input)") from None
         raise UserError(f"{path}: not a readable checkpoint ({unreadable_because(e)})") from None
@@ -87,6 +85,13 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
         raise UserError(f"{path}: not a checkpoint written by train.py (it has no model settings and weights: "
                         "a bare state_dict?)")
     return ckpt
+
+
+def zipped(path: Path) -> bool:
+    """Whether ``path`` starts as the zip archives torch.save writes do (a text file given as a checkpoint does not;
+    a truncated checkpoint does)."""
+    with path.open("rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def unreadable_because(e: Exception) -> str:

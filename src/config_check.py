@@ -201,6 +201,8 @@ def _get(tree, dotted: str):
 
 
 def _check_type(key: str, default, value) -> None:
+    if value is None and isinstance(default, bool):  # a flag is on or off (model.tie_embeddings=null ran as false)
+        raise ConfigError(f"{key}=null: expected true or false (the default is {str(default).lower()})")
     if default is _MISSING or default is None or value is None or value is _MISSING:
         return
     if any(isinstance(v, str) and v.startswith("${") for v in (value, default)):

@@ -66,6 +66,8 @@ class Job:
         batch = s.get("batch_size") or data.get("batch_size")
         accum = (s.get("final_accum_steps") or s.get("accum_steps") or self.config.get("memory", {}).get("accum_steps")
                  or 1)
+        if not all(isinstance(x, int | None) for x in (max_tokens, batch, accum)):
+            return "?"  # a job that failed on a setting such as data.max_tokens=4k
         text = f"{max_tokens:,} tokens" if max_tokens else f"{batch} pairs" if batch else "?"
         if accum > 1:
             micro = f"{-(-max_tokens // accum):,} tokens" if max_tokens else -(-batch // accum) if batch else "?"

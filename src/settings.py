@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -15,6 +17,8 @@ from .tokenizers import check_tokenizer
 
 def resolve_device(name: str, key: str = "trainer.device=") -> torch.device:
     """``key``: how the setting is named in the errors (translate.py's is ``--device ``)."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{key}{name}: expected auto, cpu or cuda")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -45,6 +49,10 @@ def check_trainer(tr: dict) -> None:
         check_int(f"trainer.{key}", tr.get(key), 1, nullable=True)
     for key in ("num_samples", "max_nonfinite"):
         check_int(f"trainer.{key}", tr.get(key), 0)
+    cores = os.cpu_count() or 1
+    if tr.get("threads") and tr["threads"] > 4 * cores:  # 100,000 crashed PyTorch's thread pool (SIGSEGV)
+        raise ConfigError(f"trainer.threads={tr['threads']}: this machine has {cores} cores; give at most "
+                          f"{4 * cores} (null: PyTorch's default, one per core)")
     check_int("trainer.profile_from", tr.get("profile_from"), 0, nullable=True)
     check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
     check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
@@ -121,4 +129,11 @@ def check_settings(conf: dict) -> None:
     check_data(conf["data"])
     check_tokenizer(conf["tokenizer"])
     check_int("data.batch_size", conf["data"].get("batch_size"), 1)
+    fault = conf.get("fault") or {}
+    check_int("fault.at_step", fault.get("at_step", 1), 1)
+    check_int("fault.times", fault.get("times", 1), 0)
+    check_int("fault.rank", fault.get("rank"), 0, nullable=True)
+    check_int("seed", conf.get("seed"), 0)
+    if conf["seed"] >= 2**64:  # torch.manual_seed's limit
+        raise ConfigError(f"seed={conf['seed']}: must be below 2**64")
     check_plan(conf.get("plan") or {})

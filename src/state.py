@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because
+from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because, zipped
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -144,12 +144,21 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
         return own
     if ckpt_path:
         path = Path(ckpt_path).expanduser()
-        if not path.is_file():
+        if path.is_dir():  # a run directory (or its checkpoints/): the newest checkpoint it holds
+            found = newest_readable(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+            if found is None:
+                raise ConfigError(f"ckpt_path={ckpt_path}: a directory without a readable checkpoint (step_<N>.pt "
+                                  "or best.pt); name a run directory or a checkpoint file")
+            log.info("ckpt_path=%s: resuming from its newest checkpoint, %s", ckpt_path, found[0])
+            path, state = found
+        elif not path.exists():
             raise ConfigError(f"ckpt_path={ckpt_path}: no such file")
-        try:
-            state = load_checkpoint(path)
-        except Exception as e:
-            raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({unreadable_because(e)})") from None
+        else:
+            try:
+                state = load_checkpoint(path)
+            except Exception as e:
+                why = unreadable_because(e) if zipped(path) else "not a zip archive, as torch.save writes: a text file?"
+                raise ConfigError(f"ckpt_path={ckpt_path}: not a readable checkpoint ({why})") from None
         if not is_training_state(state):
             raise ConfigError(f"ckpt_path={ckpt_path}: not a training checkpoint of train.py (it lacks the "
                               f"{', '.join(sorted(TRAINING_STATE))} a run resumes from: a bare state_dict?)")

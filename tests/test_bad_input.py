@@ -2,7 +2,6 @@
 to do, before training starts. The table in the docs is checked against these cases, row for row."""
 
 import importlib.util
-import re
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,12 @@ from .conftest import FAST, FAST_TRAIN, ROOT, compose_config
 from .helpers import run_cli
 
 DOC = ROOT / "docs" / "bad_input.md"
+README = ROOT / "README.md"
 
 DIRECTORY = object()  # in FILES: a folder in the file's place
 
-# (what was tried, the overrides, the message's start); {data} is a folder of small parallel files
+# (what was tried, the overrides, the message's start); {data} is a folder of small parallel files, {readme} this
+# repository's README.md
 COMMAND_LINE = [
     ("mistyped key", ["model.dmodel=5"], "model.dmodel: no such key; did you mean model.d_model?"),
     ("unknown option of a group", ["memory=amd"], "memory=amd: no such option; memory is one of accum, amp, auto"),
@@ -28,6 +29,7 @@ COMMAND_LINE = [
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
+    ("a flag set to null", ["model.tie_embeddings=null"], "model.tie_embeddings=null: expected true or false"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
     ("a path starting with an unquoted ~", ["data=multi30k", "data.root=~/multi30k"],
@@ -64,6 +66,14 @@ RUN = [
     ("no step or epoch limit", ["trainer.max_steps=null"], "set trainer.max_steps or trainer.max_epochs"),
     ("memory=auto without a budget", ["memory=auto"], "memory.budget_gb=None: memory=auto needs the memory budget"),
     ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),
+    ("resume from a file that is not a checkpoint", ["ckpt_path={readme}"],
+     "ckpt_path={readme}: not a readable checkpoint (not a zip archive, as torch.save writes: a text file?)"),
+    ("a seed of null", ["seed=null"], "seed=None: must be an integer >= 0"),
+    ("a seed beyond PyTorch's range", ["seed=18446744073709551616"],
+     "seed=18446744073709551616: must be below 2**64"),
+    ("no device", ["trainer.device=null"], "trainer.device=None: expected auto, cpu or cuda"),
+    ("more threads than the machine can run", ["trainer.threads=100000"], "trainer.threads=100000: this machine has"),
+    ("a fault injected at step 0", ["fault.kind=error", "fault.at_step=0"], "fault.at_step=0: must be an integer >= 1"),
     ("unknown resume setting", ["trainer.resume=yes"], "trainer.resume=yes: expected auto, never or null"),
     ("unknown non-finite policy", ["trainer.on_nonfinite=ignore"], "trainer.on_nonfinite=ignore: expected skip or stop"),
     ("memory counted every 0 steps", ["trainer.memory_every=0"], "trainer.memory_every=0: must be an integer >= 1, or null"),
@@ -110,9 +120,10 @@ RUN = [
 ]
 CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of null", "an empty Multi30k folder setting",
                              "a Multi30k folder named by digits alone, read as a number",
-                             "a download address that is a folder", "an XLM-R tokenizer folder that does not exist"}  # before the data, as the trainer's are
+                             "a download address that is a folder", "an XLM-R tokenizer folder that does not exist",
+                             "a seed of null", "a seed beyond PyTorch's range", "a fault injected at step 0"}  # before the data, as the trainer's are
 FILES = [
-    ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found"),
+    ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found (nor train.de.gz)"),
     ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),
     ("parallel files of different lengths", {"train.de": "a\nb\nc\n"}, "{data}/train.de has 3 lines but"),
     ("text that is not UTF-8", {"train.de": b"gut\n\xff\xfeschlecht\n"}, "{data}/train.de:2: invalid UTF-8 (byte 0xff)"),
@@ -172,6 +183,8 @@ EARLY = {c[0] for c in RUN if all(o.split(".")[0] in ("trainer", "model", "optim
 
 @pytest.mark.parametrize("what,overrides,message", RUN, ids=[c[0] for c in RUN])
 def test_settings_caught_before_training(what, overrides, message, tmp_path, shared_cache):
+    overrides = [o.replace("{readme}", str(README)) for o in overrides]
+    message = message.replace("{readme}", str(README))
     base = FAST_TRAIN if any(o.startswith("data=") for o in overrides) else FAST  # other corpora, other keys
     check_command_line([*base, *overrides])  # these pass the command-line check; the run catches them
     cache = tmp_path / "cache" if what in EARLY else shared_cache  # an empty one where nothing may be written
@@ -334,7 +347,7 @@ def test_the_docs_table_lists_every_case_tried():
     text = DOC.read_text()
     for what, _, message in COMMAND_LINE + RUN + FILES:
         row = next(r for r in rows if r.startswith(f"| {what} |"))
-        shown = doc_cell(re.sub(r"\{data\}", "data", message))[1:-1]  # the start of a last line, too
+        shown = doc_cell(message.replace("{data}", "data").replace("{readme}", "README.md"))[1:-1]  # the start of a last line, too
         assert shown in row, (what, shown)
     assert "Traceback" not in text
 

@@ -157,7 +157,9 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
 
 def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path):
     """An error naming several problems (a line each), a | or a pair of $ in an override's value: each job is
-    one row of the table's columns, and the plot is drawn (the $ pair stopped it, and with it the report)."""
+    one row of the table's columns, and the plot is drawn (the $ pair stopped it, and with it the report). A job
+    that failed on a setting of the wrong type (data.max_tokens=4k: its default is null, so any value composes)
+    has its effective batch unknown (formatting it stopped the report)."""
     sweep = tmp_path / "sweep"
     for job, tag in (("0", "a|b"), ("1", "$x^$")):
         d = sweep / job
@@ -167,6 +169,7 @@ def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path)
         if job == "0":
             summary = {"status": "failed", "strategy": "none",
                        "error": "data/train.de: file not found\ndata/valid.de: file not found"}
+            (d / "config.yaml").write_text("data: {max_tokens: 4k, batch_size: 8}\nmemory: {accum_steps: 1}\n")
         (d / "summary.json").write_text(json.dumps(summary))
         (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n')
     md, png, table = write_report(sweep)

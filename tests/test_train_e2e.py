@@ -276,6 +276,15 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
             "error: --device cuda: no CUDA device is visible; use --device cpu (or auto)")
     with pytest.raises(ConfigError, match=r"^ckpt_path=\S+bare\.pt: not a training checkpoint of train\.py"):
         train(compose_config(*FAST, f"ckpt_path={bare}", run_dir=tmp_path / "other", cache_dir=tmp_path / "c"))
+    # a text file ("KeyError: 101" was all it said), a directory ("no such file"; now a run directory's newest)
+    with pytest.raises(ConfigError, match=r"^ckpt_path=\S+in\.de: not a readable checkpoint \(not a zip archive"):
+        train(compose_config(*FAST, f"ckpt_path={source}", run_dir=tmp_path / "other", cache_dir=tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"^ckpt_path=\S+: a directory without a readable checkpoint"):
+        train(compose_config(*FAST, f"ckpt_path={tmp_path / 'other_tokenizer'}", run_dir=tmp_path / "other",
+                             cache_dir=tmp_path / "c"))
+    summary = train(compose_config(*FAST, "trainer.max_steps=3", f"ckpt_path={ckpts.parent}",
+                                   run_dir=tmp_path / "from_dir", cache_dir=tmp_path / "c"))
+    assert summary["resumed_from"] == {"path": str(ckpts / "step_00000002.pt"), "step": 2} and summary["steps"] == 3
 
     monkeypatch.chdir(ckpts)
     assert translate.main(["best.pt", "--input", str(source), "--output", "-", "--device", "cpu"]) == 0
