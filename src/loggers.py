@@ -94,6 +94,10 @@ class RunLogger:
         if mode not in WANDB_MODES:
             raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}")
         tags = settings.get("tags") or []
+        tags = [tags] if isinstance(tags, str) else [str(t) for t in tags]  # logger.wandb.tags=memory: one tag
+        for tag in tags:  # W&B's limit, said before the run starts rather than in its validation traceback
+            if not 1 <= len(tag) <= 64:
+                raise ConfigError(f"tags={tags}: a W&B tag has 1 to 64 characters; '{tag}' has {len(tag)}")
         id_file = run_dir / WANDB_ID_FILE
         run_id = None
         if resuming and id_file.is_file():
@@ -105,7 +109,7 @@ class RunLogger:
                 project=settings.get("project"),
                 entity=settings.get("entity"),
                 group=group,
-                tags=[tags] if isinstance(tags, str) else list(tags),  # logger.wandb.tags=memory: one tag
+                tags=tags,
                 name=name,
                 job_type="train",
                 mode=mode,
@@ -113,9 +117,12 @@ class RunLogger:
                 config=config,
                 reinit="finish_previous",  # a sweep's jobs share a process: each gets its own run
             )
-        except wandb.errors.UsageError as e:  # e.g. online without a key
-            raise ConfigError(f"{source}={mode}: {str(e).splitlines()[0]} (or use logger.wandb.mode=offline: "
-                              "no account needed)") from None
+        except wandb.errors.UsageError as e:  # online without a key; a project name W&B refuses
+            message = str(e).splitlines()[0]
+            if message.startswith("Invalid project name"):
+                raise ConfigError(f"logger.wandb.project={settings.get('project')}: {message}") from None
+            hint = " (or use logger.wandb.mode=offline: no account needed)" if mode == "online" else ""
+            raise ConfigError(f"{source}={mode}: {message}{hint}") from None
         if mode != "disabled":
             with atomic_path(id_file) as tmp:
                 tmp.write_text(run.id + "\n", encoding="utf-8")
