@@ -33,7 +33,7 @@ def check_command_line(argv: list[str]) -> None:
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
-    problems: list[str] = []
+    problems: list[str] = [*_output_dir_problems(overrides)]
     for job in sweep_jobs(overrides, multirun):
         try:
             check_overrides(job)
@@ -41,6 +41,21 @@ def check_command_line(argv: list[str]) -> None:
             problems += [p for p in str(e).splitlines() if p not in problems]
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _output_dir_problems(overrides: list[str]) -> list[str]:
+    """A run or sweep directory that names a file, or lies under one (Hydra's FileExistsError traceback)."""
+    problems = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+            continue
+        path = Path(value.strip("'\"")).expanduser()
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            where = "is a file" if blocker == path else f"lies under {blocker}, a file"
+            problems.append(f"{override}: {where}; name a directory")
+    return problems
 
 
 def _hydra_command(argv: list[str]) -> bool:

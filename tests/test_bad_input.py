@@ -229,6 +229,17 @@ def test_bad_corpus_files(what, files, message, tmp_path):
     assert str(e.value).count("\n") == message.count("\n")
 
 
+def test_a_run_directory_that_is_a_file(monkeypatch):
+    """Hydra's FileExistsError traceback, before: a run or sweep directory naming a file, or under one."""
+    monkeypatch.chdir(ROOT)
+    for overrides in (["hydra.run.dir=README.md"], ["-m", "hydra.sweep.dir=README.md/sweep"]):
+        with pytest.raises(UserError) as e:
+            check_command_line(overrides)
+        row = next(r for r in DOC.read_text().splitlines() if r.startswith("| a run directory that is a file |"))
+        assert doc_cell(str(e.value)) in row
+    assert str(e.value) == "hydra.sweep.dir=README.md/sweep: lies under README.md, a file; name a directory"
+
+
 def test_a_gpu_index_beyond_those_visible(monkeypatch):
     from src.settings import resolve_device
 
@@ -342,6 +353,7 @@ def test_the_docs_table_lists_every_case_tried():
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
+                                                           "a run directory that is a file",
                                                            "resuming another model's checkpoint",  # test_resume.py
                                                            "a target language whose BLEU tokenizer is not installed"}
     assert documented == tried
