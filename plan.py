@@ -20,7 +20,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from src.config_check import check_command_line, sweep_jobs
+from src.config_check import check_command_line, preset_sweep, sweep_jobs
 from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
@@ -37,10 +37,7 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     if not multirun:
         return [overrides]
     sweeps = {o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
-    fixed = [o for o in overrides if o not in sweeps]  # composable as they are: no lists, ranges or globs
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=fixed, return_hydra_config=True)
-    preset = [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
+    preset = preset_sweep([o for o in overrides if o not in sweeps])  # composable as they are: no lists or ranges
     return sweep_jobs([*preset, *overrides], True)
 
 

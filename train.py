@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import callbacks as sweep
-from src.config_check import check_command_line, check_launcher
+from src.config_check import check_command_line, check_launcher, preset_sweep_note
 from src.errors import UserError, error_lines
 from src.faults import pass_on_signal
 from src.memory import free_earlier_runs
@@ -96,6 +96,8 @@ if __name__ == "__main__":
     try:
         check_command_line(sys.argv[1:])  # a mistyped key, option or value: one line, before anything runs
         check_launcher(sys.argv[1:])
+        if note := preset_sweep_note(sys.argv[1:]):
+            print(note, file=sys.stderr)
     except UserError as e:
         print(error_lines(e), file=sys.stderr)
         sys.exit(1)

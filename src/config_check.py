@@ -43,6 +43,28 @@ def check_command_line(argv: list[str]) -> None:
         raise ConfigError("\n".join(problems))
 
 
+def preset_sweep(overrides: list[str]) -> list[str]:
+    """The sweep a preset sets (``hydra.sweeper.params``: experiment=memory_sweep's strategies) as overrides, which
+    Hydra's basic sweeper runs before the command line's. ``overrides`` compose as they are (no lists or ranges)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    return [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
+
+
+def preset_sweep_note(argv: list[str]) -> str | None:
+    """A preset that sweeps, run without -m: Hydra runs one job of it and says nothing."""
+    if _multirun(argv) or _hydra_command(argv) or not any(a.split("=")[0] in PRESETS for a in argv):
+        return None
+    params = preset_sweep([a for a in argv if not a.startswith("-")])
+    if not params:
+        return None
+    preset = next(a for a in argv if a.split("=")[0] in PRESETS)
+    return (f"note: {preset} is a sweep ({' '.join(params)}); without -m this runs one job, with the command "
+            "line's settings: add -m to run them all")
+
+
 def _output_dir_problems(overrides: list[str]) -> list[str]:
     """A run or sweep directory that names a file, or lies under one (Hydra's FileExistsError traceback)."""
     problems = []

@@ -165,3 +165,17 @@ def test_a_glob_sweep_over_a_groups_options_is_checked_job_by_job():
     check_command_line(["-m", "memory=glob([amp,acc*])"])
     with pytest.raises(ConfigError, match=r"^trainer.max_steps=abc: expected an integer \(the default is \d+\)$"):
         check_command_line(["-m", "memory=glob(*,exclude=[fsdp,auto])", "trainer.max_steps=abc"])
+
+
+def test_a_sweeping_preset_run_without_m_says_it_runs_one_job():
+    """experiment=memory_sweep without -m ran one job of its eight (Hydra ignores hydra.sweeper.params without
+    -m) and said nothing; presets that do not sweep, -m, and commands without a preset get no note."""
+    from src.config_check import preset_sweep_note
+
+    note = preset_sweep_note(["experiment=memory_sweep", "trainer.max_steps=2"])
+    assert note == ("note: experiment=memory_sweep is a sweep (memory=none,amp,accum,truncate,checkpoint,chunked_ce,"
+                    "[amp,accum],[amp,checkpoint]); without -m this runs one job, with the command line's settings: "
+                    "add -m to run them all")
+    for argv in (["-m", "experiment=memory_sweep"], ["experiment=throughput_ref"], ["debug=overfit"],
+                 ["memory=amp"], ["experiment=memory_sweep", "--cfg", "job"]):
+        assert preset_sweep_note(argv) is None, argv
