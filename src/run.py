@@ -600,7 +600,8 @@ class TrainingRun:
         log.info(
             "%s: %s parameters, vocab %d/%d, %d training pairs, batches of %s in %d micro-batches, device %s",
             strategy.label, f"{info['parameters']:,}", len(self.src_codec), len(self.tgt_codec), len(self.train_split),
-            f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs", strategy.accum_steps, self.device,
+            f"{max_tokens} tokens" if max_tokens else f"{batch_size} pairs",
+            strategy.accum_steps if max_tokens else min(strategy.accum_steps, batch_size), self.device,
         )
 
     def _compile_and_watch_memory(self) -> None:
@@ -676,6 +677,9 @@ class TrainingRun:
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
                  p.batches_done)
+        if self.done():  # a finished run resumed again, or trainer.max_steps set below the checkpoint's step
+            log.warning("the checkpoint is at step %d (epoch %d), where trainer.max_steps=%s / max_epochs=%s stop: "
+                        "nothing is trained", p.step, p.epoch, self.max_steps, self.max_epochs)
 
     def _apply_optim_settings(self, configured: list[dict], peak_lrs: list[float]) -> None:
         """The optimizer settings as configured now, not as the checkpoint's state has them (loading it put back

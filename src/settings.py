@@ -53,7 +53,7 @@ def check_trainer(tr: dict) -> None:
     if tr.get("threads") and tr["threads"] > 4 * cores:  # 100,000 crashed PyTorch's thread pool (SIGSEGV)
         raise ConfigError(f"trainer.threads={tr['threads']}: this machine has {cores} cores; give at most "
                           f"{4 * cores} (null: PyTorch's default, one per core)")
-    check_int("trainer.profile_from", tr.get("profile_from"), 0, nullable=True)
+    check_int("trainer.profile_from", tr.get("profile_from"), 1, nullable=True)  # its step warms the profiler up
     check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
     check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
                                                                   "+ max_len_b tokens)")

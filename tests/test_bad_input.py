@@ -92,6 +92,8 @@ RUN = [
     ("decoding batches of 0 pairs", ["trainer.eval_batch_size=0"], "trainer.eval_batch_size=0: must be an integer >= 1"),
     ("a negative decoding length", ["trainer.max_len_a=-1"], "trainer.max_len_a=-1: must be a number >= 0"),
     ("no step checkpoints kept", ["trainer.keep_last=0"], "trainer.keep_last=0: must be an integer >= 1"),
+    ("profiling from step 0, which is not a step", ["trainer.profile_from=0"],
+     "trainer.profile_from=0: must be an integer >= 1, or null"),
     ("a negative learning rate", ["optim.lr=-1"], "optim.lr=-1: must be a number > 0, or null"),
     ("label smoothing of 1 or more", ["optim.label_smoothing=1.5"], "optim.label_smoothing=1.5: must be a number >= 0 and < 1"),
     ("a negative clipping norm", ["optim.clip_grad_norm=-1"], "optim.clip_grad_norm=-1: must be a number > 0, or null"),

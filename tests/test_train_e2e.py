@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -244,7 +245,7 @@ def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
 
 
 def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_files(fast_cfg, tmp_path, capsys,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, caplog):
     """A bare state_dict, another run's tokenizer, an output path that is a folder, CUDA where there is none: one
     line each (they were tracebacks: KeyError, IndexError in decoding, IsADirectoryError after decoding), naming
     translate.py's own flags. A checkpoint named relative to the working directory finds its run's tokenizer, a
@@ -285,6 +286,10 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
     summary = train(compose_config(*FAST, "trainer.max_steps=3", f"ckpt_path={ckpts.parent}",
                                    run_dir=tmp_path / "from_dir", cache_dir=tmp_path / "c"))
     assert summary["resumed_from"] == {"path": str(ckpts / "step_00000002.pt"), "step": 2} and summary["steps"] == 3
+    with caplog.at_level(logging.WARNING, logger="src.run"):  # a limit the checkpoint has passed: said, not silent
+        summary = train(compose_config(*FAST, "trainer.max_steps=1", f"ckpt_path={ckpts.parent}",
+                                       run_dir=tmp_path / "past", cache_dir=tmp_path / "c"))
+    assert summary["steps"] == 2 and "the checkpoint is at step 2 (epoch 0), where trainer.max_steps=1" in caplog.text
 
     monkeypatch.chdir(ckpts)
     assert translate.main(["best.pt", "--input", str(source), "--output", "-", "--device", "cpu"]) == 0
