@@ -44,6 +44,10 @@ class ModelArgs:
     # PyTorch's default biases there and in the feed-forward layers). Embeddings (and an untied output projection)
     # start from N(0, d_model^-0.5) under both.
     init: str = "xavier"
+    # The longest source or target a run accepts, in positions (tokens and their special token), as fairseq's
+    # max_source_positions: sinusoidal positions have no limit, but attention over L positions holds L x L scores
+    # per head, so one stray line of 100,000 words is refused by name rather than exhausting memory. None: any.
+    max_positions: int | None = 1024
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -439,6 +439,31 @@ def deterministic_algorithms(enabled: bool):
         torch.backends.cudnn.benchmark = before[2]
 
 
+def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, strategy: MemoryStrategy) -> None:
+    """Refuse a pair longer than model.max_positions (with its special token), naming its file and line: one stray
+    line of 100,000 words made a step that exhausted the host's memory, and the kernel killed the run without a
+    word. The training split is measured as truncation leaves it (memory.max_src_len / max_tgt_len)."""
+    if limit is None:
+        return
+    caps = {"src": strategy.max_src_len if strategy.truncates else None,
+            "tgt": strategy.max_tgt_len if strategy.truncates else None}
+    for side, cap in caps.items():
+        if cap is not None and cap + 1 > limit:
+            raise ConfigError(f"memory.max_{side}_len={cap}: above model.max_positions={limit} less the special "
+                              f"token; set at most {limit - 1}, or raise model.max_positions")
+    for name, split in encoded.splits.items():
+        cut = caps if name == "train" else {"src": None, "tgt": None}
+        src_lens, tgt_lens = ([min(n, cut[side] or n) + 1 for n in getattr(ids, "lengths", None) or map(len, ids)]
+                              for side, ids in (("src", split.src), ("tgt", split.tgt)))
+        i = next((i for i, (s, t) in enumerate(zip(src_lens, tgt_lens, strict=True)) if max(s, t) > limit), None)
+        if i is not None:
+            fix = ("cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out)"
+                   if name == "train" else "remove or split that line")
+            raise DataError(f"{corpus.where(name, i)}: {src_lens[i]:,} source / {tgt_lens[i]:,} target positions "
+                            f"(with the special token), above model.max_positions={limit}; {fix}, or raise "
+                            "model.max_positions (attention over N positions holds N x N scores per head)")
+
+
 def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
                  ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
     """The corpus, its encoding (cached), the training split after truncation, and what was done to it. Under
@@ -447,6 +472,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
     with (world or World()).local_main_first():
         corpus = load_corpus(conf["data"], cache_dir, download_ok)
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
+    check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy)
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)

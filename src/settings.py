@@ -72,6 +72,7 @@ def check_model(model: dict) -> None:
     for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
         if key in model:
             check_int(f"model.{key}", model[key], 1)
+    check_int("model.max_positions", model.get("max_positions"), 2, nullable=True)
     for key in ("dropout", "attention_dropout", "activation_dropout"):
         if key in model:
             check_number(f"model.{key}", model[key], 0, below=1, nullable=key != "dropout")

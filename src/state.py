@@ -191,7 +191,7 @@ def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
 
 
 # Model settings a checkpoint's weights do not fix: a resumed run may change them (fine-tuning with less dropout).
-FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init")
+FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init", "max_positions")
 # Settings whose change makes a resumed run differ from the one that never stopped (a warning, not an error).
 EXACT_KEYS = ("seed", "data", "tokenizer", "memory", "optim")
 

@@ -108,6 +108,9 @@ RUN = [
      "data.root=/nonexistent: no such directory"),
     ("data=files without its paths", ["data=files", "data.src_lang=de", "data.tgt_lang=en"],
      "data.train_prefix is required: add data.train_prefix=..."),
+    ("a length limit above the positions the model takes", ["memory=truncate", "memory.max_src_len=2000"],
+     "memory.max_src_len=2000: above model.max_positions=1024 less the special token; set at most 1023, or raise "
+     "model.max_positions"),
     ("every pair longer than the limits, dropped", ["memory.max_src_len=1", "memory.max_tgt_len=1", "memory.overlong=drop"],
      "every training pair is longer than memory.max_src_len / max_tgt_len"),
     ("a corpus size of null", ["data.test_size=null"], "data.test_size=None: must be an integer >= 1"),
@@ -140,6 +143,14 @@ FILES = [
      "endings"),
     ("a folder where a corpus file should be", {"train.de": DIRECTORY},
      "{data}/train.de: is a directory; give the path prefix of text files"),
+    ("a line longer than the model takes (after a line pair left out)",
+     {"train.de": "ein Satz\n\n" + "Wort " * 1100 + "\n", "train.en": "a sentence\nlone\ntwo sentences\n"},
+     "{data}/train.de:3: 1,101 source / 3 target positions (with the special token), above model.max_positions=1024; "
+     "cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out), or raise "
+     "model.max_positions (attention over N positions holds N x N scores per head)"),
+    ("a held-out line longer than the model takes", {"test.de": "ein Satz\n" + "Wort " * 1100 + "\n"},
+     "{data}/test.de:2: 1,101 source / 3 target positions (with the special token), above model.max_positions=1024; "
+     "remove or split that line, or raise model.max_positions"),
     ("bad files in several splits", {"train.en": None, "valid.de": "", "test.en": "a\n"},  # all, a line each
      "{data}/train.en: file not found (nor train.en.gz)\n{data}/valid.de: file is empty\n{data}/test.de has 2 lines but"),
 ]

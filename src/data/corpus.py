@@ -38,6 +38,8 @@ T = TypeVar("T")
 class ParallelText:
     src: list[str]
     tgt: list[str]
+    # Each pair's line in its files (from 1), where pairs were left out (empty sides); None: pair i is line i + 1.
+    lines: list[int] | None = None
 
     def __post_init__(self):
         assert len(self.src) == len(self.tgt)
@@ -57,6 +59,13 @@ class Corpus:
     @property
     def train(self) -> ParallelText:
         return self.splits["train"]
+
+    def where(self, split: str, i: int) -> str:
+        """Where pair ``i`` of ``split`` is: its source file and line, or its number in a generated split."""
+        text, paths = self.splits[split], self.description.get(split)
+        if isinstance(paths, list):
+            return f"{paths[0]}:{text.lines[i] if text.lines else i + 1}"
+        return f"{split} pair {i + 1} ({self.description.get('name', 'generated')})"
 
 
 def check_data(data: dict) -> None:
@@ -177,6 +186,7 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
         log.warning("%s %d line pairs with an empty side: %s", what, len(src) - len(keep), "; ".join(where))
         if not held_out:
             src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+            return ParallelText([s.strip() for s in src], [t.strip() for t in tgt], [i + 1 for i in keep])
     return ParallelText([s.strip() for s in src], [t.strip() for t in tgt])
 
 
