@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
         with torch.inference_mode():  # a blank line: an empty translation
             hyps = translate(model, sources, src_codec, tgt_codec, device,
+                             source_name="standard input" if args.input == "-" else args.input,
                              batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
                              alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
                              max_len_b=decoding["max_len_b"],

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .data.batching import batch_indices, collate, pad_stack, pair_sizes
 from .data.encode import EncodedSplit
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .model import Transformer
 from .tokenizers import Codec
 from .trainer import batch_loss
@@ -240,11 +240,18 @@ def translate(
     src_codec: Codec,
     tgt_codec: Codec,
     device: torch.device,
+    source_name: str = "input",
     **kwargs,
 ) -> list[str]:
-    """Plain-text translations of plain-text sentences; a blank one's is empty (it is not tokenized either)."""
+    """Plain-text translations of plain-text sentences; a blank one's is empty (it is not tokenized either). A
+    sentence longer than the model's ``max_positions`` is refused as ``source_name:<line>``, before any decoding."""
     kept = [i for i, text in enumerate(texts) if text.strip()]
     sources = [torch.tensor(ids, dtype=torch.long) for ids in src_codec.encode([texts[i] for i in kept])]
+    limit = model.args.max_positions
+    for i, ids in zip(kept, sources, strict=True):
+        if limit is not None and len(ids) + 1 > limit:
+            raise UserError(f"{source_name}:{i + 1}: {len(ids) + 1:,} source positions (with the special token), "
+                            f"above the model's max_positions={limit}; split that line")
     out = [""] * len(texts)
     for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)):
         out[i] = tgt_codec.decode(ids)
