@@ -664,7 +664,9 @@ class TrainingRun:
     def _resume(self, path: Path, ckpt: dict) -> None:
         """Continue from a checkpoint: its states, its progress and random generators; ``begin`` once it is accepted."""
         world, ckpt_dir, best_path = self.world, self.ckpt_dir, self.best_path
-        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"])
+        own = path.resolve().parent == ckpt_dir.resolve()  # not another run's (ckpt_path): a sweep may fine-tune it
+        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"],
+                        sweep_job=own and hydra_job().get("sweep_dir") is not None)
         configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
         peak_lrs = list(self.scheduler.base_lrs)
         load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)

@@ -325,6 +325,24 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache
     assert statuses == ["failed", "completed"]
 
 
+def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_another(tmp_path, shared_cache):
+    """memory=none,amp relaunched with trainer.resume=auto as memory=amp,none: job 0 (none's run) resumed as amp,
+    with a warning, and its summary, report row and W&B run gave none's peak and tokens/s under the label amp.
+    Each job is refused in one line, its directory as it was; relaunched as it was, the jobs resume."""
+    sweep = tmp_path / "sweep"
+    common = [*FAST, "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.sweep.dir={sweep}",
+              f"paths.cache_dir={shared_cache}"]
+    assert run_cli("train.py", "-m", "memory=none,amp", *common).returncode == 0
+    before = [(sweep / j / "summary.json").read_text() for j in "01"]
+    proc = run_cli("train.py", "-m", "memory=amp,none", "trainer.resume=auto", *common)
+    assert [(sweep / j / "summary.json").read_text() for j in "01"] == before
+    assert proc.stderr.count("settings (the sweep's list of jobs changed, so this job's number names another "
+                             "setting): relaunch the sweep as it was, or into a new hydra.sweep.dir") == 2, proc.stderr
+    proc = run_cli("train.py", "-m", "memory=none,amp", "trainer.resume=auto", *common)
+    assert proc.returncode == 0 and "2 sweep job(s) did not complete" not in proc.stderr
+    assert [json.loads((sweep / j / "summary.json").read_text())["strategy"] for j in "01"] == ["none", "amp"]
+
+
 @pytest.mark.slow
 def test_a_sweep_stopped_by_sigterm_reports_the_jobs_it_ran(tmp_path, shared_cache):
     """SIGTERM (a preemption) in a job of a sweep run in this process stops the sweep; the end-of-sweep callbacks
