@@ -787,11 +787,11 @@ class TrainingRun:
                     self.window.resume()
                     stats = self.train_step(indices, real, group)
                     self.window.add(stats, p.epoch)
+                    self.check_finite(stats, p.step + 1)
                     p.step += 1
                     p.batches_done += len(group)
                     p.trained += [i for b in group for i in b]
                     self.bar.update(1)
-                    self.check_finite(stats)
                     if p.step % tr["log_every"] == 0:
                         self.log_window()
                     states = None  # memory=fsdp: gathered once for a validation and a checkpoint at the same step
@@ -880,19 +880,21 @@ class TrainingRun:
                 self.logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
         raise AssertionError("unreachable")
 
-    def check_finite(self, stats) -> None:
+    def check_finite(self, stats, step: int) -> None:
+        """After optimizer step ``step`` (not yet counted): a non-finite one stops the run, which has then taken
+        the steps before it (with ``stop``, or past ``max_nonfinite`` skips), or is counted as a step skipped."""
         if not stats.nonfinite:
             return
         p = self.p
-        p.nonfinite_skips += 1
-        where = f"non-finite loss or gradient at step {p.step}"
+        where = f"non-finite loss or gradient at step {step}"
         if self.on_nonfinite == "stop":
             raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
+        p.nonfinite_skips += 1
         if p.nonfinite_skips > self.max_nonfinite:
             raise NumericalError(f"{where}: {p.nonfinite_skips} steps skipped, more than trainer.max_nonfinite="
                                  f"{self.max_nonfinite}; lower the learning rate, or check the data")
         log.warning("%s: update skipped (%d so far; trainer.on_nonfinite=skip)", where, p.nonfinite_skips)
-        self.logger.log({"nonfinite_skips": p.nonfinite_skips}, p.step)
+        self.logger.log({"nonfinite_skips": p.nonfinite_skips}, step)
 
     def log_window(self) -> None:
         metrics = self.window.flush()
@@ -1065,6 +1067,7 @@ class _Window:
 
     def reset(self) -> None:
         self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
+        self.loss_tokens = 0  # the target tokens of the updates taken: the loss's denominator
         self.loss = self.nll = self.grad_norm = self.lr = 0.0
         self.epoch = 0  # the epoch of the window's last step
         self.seconds = 0.0
@@ -1082,19 +1085,21 @@ class _Window:
             self._t0 = None
 
     def add(self, stats, epoch: int = 0) -> None:
+        # the work of every step, one whose update a non-finite loss skipped too: its time is on the clock
+        self.tgt_tokens += stats.n_tgt_tokens
+        self.src_tokens += stats.n_src_tokens
+        self.padded += stats.n_padded
+        self.flops += stats.flops
         if stats.nonfinite:  # not an update: its NaN would poison the window's means
             return
         self.steps += 1
         self.epoch = epoch
+        self.loss_tokens += stats.n_tgt_tokens
         self.loss = self.loss + stats.loss_sum  # device tensors: no host sync per step
         self.nll = self.nll + stats.nll_sum
         if not stats.skipped:  # fp16's routine overflow: an infinite norm, which the scaler skipped
             self.grad_norm = self.grad_norm + stats.grad_norm
-        self.tgt_tokens += stats.n_tgt_tokens
-        self.src_tokens += stats.n_src_tokens
-        self.padded += stats.n_padded
         self.skipped += stats.skipped
-        self.flops += stats.flops
         self.lr = stats.lr  # the window's last update's
 
     TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped", "total_flops")
@@ -1118,9 +1123,11 @@ class _Window:
         if not self.steps:
             return {}
         if self.world.distributed:  # the sums over the ranks (the gradient norm is the same on all of them)
-            self.loss, self.nll, tgt, src, padded, flops = self.world.all_sum(
-                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded, self.flops], self.device)
+            self.loss, self.nll, tgt, src, padded, flops, loss_tokens = self.world.all_sum(
+                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded, self.flops, self.loss_tokens],
+                self.device)
             self.tgt_tokens, self.src_tokens, self.padded, self.flops = int(tgt), int(src), int(padded), int(flops)
+            self.loss_tokens = int(loss_tokens)
         self.total_seconds += self.seconds
         self.total_src_tokens += self.src_tokens
         self.total_tgt_tokens += self.tgt_tokens
@@ -1131,8 +1138,8 @@ class _Window:
         metrics = {
             "window_s": round(self.seconds, 4),
             "src_tokens": self.src_tokens,
-            "loss": loss / self.tgt_tokens,
-            "nll": nll / self.tgt_tokens,
+            "loss": loss / self.loss_tokens,
+            "nll": nll / self.loss_tokens,
             "lr": self.lr,
             "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
             "tgt_tokens": self.tgt_tokens,

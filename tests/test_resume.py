@@ -278,20 +278,28 @@ def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, t
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
-def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy):
+def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy, tmp_path, shared_cache):
     cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=3", f"trainer.on_nonfinite={policy}", "trainer.log_every=1")
     if policy == "stop":
         with pytest.raises(NumericalError, match=r"^non-finite loss or gradient at step 3; stopped"):
             train(cfg)
         summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
         assert summary["status"] == "failed" and "step 3" in summary["error"]
-        assert summary["steps"] == 3 and summary["nonfinite_skips"] == 1 and "test_bleu" not in summary
+        # the steps taken before it; its update was not skipped (it said "steps 3, 1 skipped")
+        assert summary["steps"] == 2 and summary["nonfinite_skips"] == 0 and "test_bleu" not in summary
         return
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["nonfinite_skips"] == 1 and summary["steps"] == 6
     rows = read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl")
     assert all(r["loss"] == r["loss"] for r in rows if "loss" in r)  # no NaN reached the logged means
     assert {"step": 3, "nonfinite_skips": 1} in rows
+    # the skipped step's tokens count toward the throughput, as its time does (its time counted, its tokens not)
+    clean = compose_config(*FAST, "trainer.log_every=1", run_dir=tmp_path / "clean", cache_dir=shared_cache)
+    train(clean)
+    plain = read_jsonl(Path(clean.paths.output_dir) / "metrics.jsonl")
+    assert sum(r["src_tokens"] for r in rows if "loss" in r) == sum(r["src_tokens"] for r in plain if "loss" in r)
+    step4 = next(r for r in rows if r.get("step") == 4 and "loss" in r)
+    assert step4["src_tokens"] == sum(r["src_tokens"] for r in plain if r.get("step") in (3, 4) and "loss" in r)
 
 
 def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
