@@ -53,6 +53,7 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
         raise UserError(f"{tokenizer_dir}: not the tokenizer of {paths[0]} (" + ", ".join(
             f"{side} vocabulary {here} here, {there} in the checkpoint" for side, (here, there) in sizes.items())
             + "); pass that run's tokenizer directory")
+    args = {"max_positions": None, **args}  # a checkpoint written before the limit was set has none
     model = Transformer(ModelArgs(**args)).to(device)
     model.load_state_dict(ckpt["model"])
     model.eval()

@@ -33,7 +33,7 @@ def check_command_line(argv: list[str]) -> None:
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
-    problems: list[str] = [*_output_dir_problems(overrides)]
+    problems: list[str] = [*_output_dir_problems(overrides, multirun)]
     for job in sweep_jobs(overrides, multirun):
         try:
             check_overrides(job)
@@ -65,14 +65,15 @@ def preset_sweep_note(argv: list[str]) -> str | None:
             "line's settings: add -m to run them all")
 
 
-def _output_dir_problems(overrides: list[str]) -> list[str]:
-    """A run or sweep directory that names a file, or lies under one (Hydra's FileExistsError traceback)."""
+def _output_dir_problems(overrides: list[str], multirun: bool) -> list[str]:
+    """The run directory (the sweep's, with -m) naming a file, or under one: Hydra's FileExistsError traceback.
+    Hydra takes the path as written (a ~ is a folder named ~)."""
     problems = []
     for override in overrides:
         key, _, value = override.partition("=")
-        if key not in ("hydra.run.dir", "hydra.sweep.dir") or not value or "${" in value:
+        if key.lstrip("+") != ("hydra.sweep.dir" if multirun else "hydra.run.dir") or not value or "${" in value:
             continue
-        path = Path(value.strip("'\"")).expanduser()
+        path = Path(value.strip("'\""))
         blocker = next((p for p in (path, *path.parents) if p.exists()), None)
         if blocker is not None and not blocker.is_dir():
             where = "is a file" if blocker == path else f"lies under {blocker}, a file"

@@ -67,7 +67,7 @@ from .memory import (
 )
 from .model import ModelArgs, Transformer
 from .profiling import StepProfiler
-from .settings import check_settings, resolve_config, resolve_device
+from .settings import check_settings, check_threads, resolve_config, resolve_device
 from .state import (
     Progress,
     check_resumable,
@@ -354,6 +354,7 @@ def train(cfg: DictConfig) -> dict:
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
         check_settings(conf)
+        check_threads(conf["trainer"])
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if world.main:
             summary["environment"] = environment(device)
@@ -439,10 +440,12 @@ def deterministic_algorithms(enabled: bool):
         torch.backends.cudnn.benchmark = before[2]
 
 
-def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, strategy: MemoryStrategy) -> None:
+def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, strategy: MemoryStrategy,
+                    trainer: dict) -> None:
     """Refuse a pair longer than model.max_positions (with its special token), naming its file and line: one stray
     line of 100,000 words made a step that exhausted the host's memory, and the kernel killed the run without a
-    word. The training split is measured as truncation leaves it (memory.max_src_len / max_tgt_len)."""
+    word. The training split is measured as truncation leaves it (memory.max_src_len / max_tgt_len), the held-out
+    splits as far as they are evaluated (trainer.limit_eval; not at all under trainer.overfit_batches)."""
     if limit is None:
         return
     caps = {"src": strategy.max_src_len if strategy.truncates else None,
@@ -452,16 +455,40 @@ def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, s
             raise ConfigError(f"memory.max_{side}_len={cap}: above model.max_positions={limit} less the special "
                               f"token; set at most {limit - 1}, or raise model.max_positions")
     for name, split in encoded.splits.items():
-        cut = caps if name == "train" else {"src": None, "tgt": None}
-        src_lens, tgt_lens = ([min(n, cut[side] or n) + 1 for n in getattr(ids, "lengths", None) or map(len, ids)]
-                              for side, ids in (("src", split.src), ("tgt", split.tgt)))
+        held_out = name != "train"
+        if held_out and trainer.get("overfit_batches"):
+            continue  # evaluated on training batches
+        cut = {"src": None, "tgt": None} if held_out else caps
+        evaluated = trainer.get("limit_eval") if held_out else None
+        src_lens, tgt_lens = ([min(n, cut[side] or n) + 1 for n in (getattr(ids, "lengths", None) or map(len, ids))]
+                              [:evaluated] for side, ids in (("src", split.src), ("tgt", split.tgt)))
         i = next((i for i, (s, t) in enumerate(zip(src_lens, tgt_lens, strict=True)) if max(s, t) > limit), None)
         if i is not None:
-            fix = ("cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out)"
-                   if name == "train" else "remove or split that line")
-            raise DataError(f"{corpus.where(name, i)}: {src_lens[i]:,} source / {tgt_lens[i]:,} target positions "
-                            f"(with the special token), above model.max_positions={limit}; {fix}, or raise "
-                            "model.max_positions (attention over N positions holds N x N scores per head)")
+            fix = "remove or split that line" if held_out else (
+                "cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out)")
+            raise DataError(f"{corpus.where(name, i, side=int(tgt_lens[i] > limit >= src_lens[i]))}: "
+                            f"{src_lens[i]:,} source / {tgt_lens[i]:,} target positions (with the special token), "
+                            f"above model.max_positions={limit}; {fix}, or raise model.max_positions (attention over "
+                            "N positions holds N x N scores per head)")
+
+
+def check_sweep_job(path: Path, ckpt: dict, strategy: MemoryStrategy, run_dir: Path) -> None:
+    """A sweep's job resuming its own checkpoint under another memory strategy is refused: a sweep relaunched
+    with another list of jobs (memory=none,amp again as memory=amp,none) gives a job's number to another job, which
+    carried on the first one's run and reported its peaks and tokens/s under its own label. A single run carries on
+    (with check_resumable's warning): memory=accum added to fit, say."""
+    if hydra_job().get("sweep_dir") is None or strategy.auto or not ckpt.get("strategy"):
+        return
+    try:
+        before = MemoryStrategy(**ckpt.get("strategy", {}))
+    except (TypeError, UserError):  # written by another version, or none kept
+        return
+    if before.auto or before.label == strategy.label:
+        return
+    raise ConfigError(f"{path}: this sweep job's earlier launch trained memory strategy {before.label}, and this "
+                      f"launch gives the job {strategy.label} (a sweep relaunched with another list of jobs gives a "
+                      "job's number to another job): relaunch the sweep as it was, or into a new hydra.sweep.dir; "
+                      f"or go on as {strategy.label} in a single run (hydra.run.dir={run_dir} trainer.resume=auto)")
 
 
 def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
@@ -472,7 +499,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
     with (world or World()).local_main_first():
         corpus = load_corpus(conf["data"], cache_dir, download_ok)
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
-    check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy)
+    check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy, conf["trainer"])
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
@@ -664,9 +691,9 @@ class TrainingRun:
     def _resume(self, path: Path, ckpt: dict) -> None:
         """Continue from a checkpoint: its states, its progress and random generators; ``begin`` once it is accepted."""
         world, ckpt_dir, best_path = self.world, self.ckpt_dir, self.best_path
-        own = path.resolve().parent == ckpt_dir.resolve()  # not another run's (ckpt_path): a sweep may fine-tune it
-        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"],
-                        sweep_job=own and hydra_job().get("sweep_dir") is not None)
+        check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"])
+        if path.resolve().parent == ckpt_dir.resolve():  # its own checkpoint (a sweep may fine-tune another run's)
+            check_sweep_job(path, ckpt, self.strategy, run_dir=self.run_dir)
         configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
         peak_lrs = list(self.scheduler.base_lrs)
         load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)
@@ -705,7 +732,9 @@ class TrainingRun:
                 fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
         log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
                  p.batches_done)
-        if self.done():  # a finished run resumed again, or trainer.max_steps set below the checkpoint's step
+        last_epoch_done = (self.max_epochs and p.epoch + 1 >= self.max_epochs
+                           and not self.steps(p.epoch, p.batches_done, p.trained))  # (its epoch is not yet counted)
+        if self.done() or last_epoch_done:  # a finished run resumed again, or limits set below the checkpoint's
             log.warning("the checkpoint is at step %d (epoch %d), where trainer.max_steps=%s / max_epochs=%s stop: "
                         "nothing is trained", p.step, p.epoch, self.max_steps, self.max_epochs)
 

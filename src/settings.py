@@ -49,10 +49,6 @@ def check_trainer(tr: dict) -> None:
         check_int(f"trainer.{key}", tr.get(key), 1, nullable=True)
     for key in ("num_samples", "max_nonfinite"):
         check_int(f"trainer.{key}", tr.get(key), 0)
-    cores = os.cpu_count() or 1
-    if tr.get("threads") and tr["threads"] > 4 * cores:  # 100,000 crashed PyTorch's thread pool (SIGSEGV)
-        raise ConfigError(f"trainer.threads={tr['threads']}: this machine has {cores} cores; give at most "
-                          f"{4 * cores} (null: PyTorch's default, one per core)")
     check_int("trainer.profile_from", tr.get("profile_from"), 1, nullable=True)  # its step warms the profiler up
     check_int("trainer.max_len_b", tr.get("max_len_b"), 1)
     check_number("trainer.max_len_a", tr.get("max_len_a"), 0, why=" (decoding stops at max_len_a x source length "
@@ -65,6 +61,15 @@ def check_trainer(tr: dict) -> None:
                           f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
     if tr.get("on_nonfinite") not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
+
+
+def check_threads(tr: dict) -> None:
+    """trainer.threads on the machine that trains (plan.py plans for another): 100,000 crashed PyTorch's thread
+    pool (SIGSEGV, no message)."""
+    cores = os.cpu_count() or 1
+    if tr.get("threads") and tr["threads"] > 4 * cores:
+        raise ConfigError(f"trainer.threads={tr['threads']}: this machine has {cores} cores; give at most "
+                          f"{4 * cores} (null: PyTorch's default, one per core)")
 
 
 def check_model(model: dict) -> None:
@@ -134,7 +139,7 @@ def check_settings(conf: dict) -> None:
     check_int("fault.at_step", fault.get("at_step", 1), 1)
     check_int("fault.times", fault.get("times", 1), 0)
     check_int("fault.rank", fault.get("rank"), 0, nullable=True)
-    check_int("seed", conf.get("seed"), 0)
-    if conf["seed"] >= 2**64:  # torch.manual_seed's limit
-        raise ConfigError(f"seed={conf['seed']}: must be below 2**64")
+    seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it
+    if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
+        raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**63 - 1")
     check_plan(conf.get("plan") or {})

@@ -196,14 +196,12 @@ FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init",
 EXACT_KEYS = ("seed", "data", "tokenizer", "memory", "optim")
 
 
-def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_digests: dict | None = None,
-                    sweep_job: bool = False) -> None:
+def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_digests: dict | None = None
+                    ) -> None:
     """Refuse, in one line, to load a checkpoint into a model of another shape or vocabulary (load_state_dict would
     fail with a page of size mismatches, or, for model.n_heads, load and compute something else; a vocabulary of
     the same size whose ids stand for other words, ``vocab_digests``, would load and train on); warn about the
-    settings whose change makes the resumed run differ from an uninterrupted one. A ``sweep_job`` resuming its own
-    checkpoint is refused instead: a sweep relaunched with another list of jobs gives a job's number (its
-    directory) to other settings, and the job would carry on another job's run under its own label."""
+    settings whose change makes the resumed run differ from an uninterrupted one."""
     saved = ckpt.get("model_args") or {}
     changed = [k for k in model_args if k not in FREE_MODEL_KEYS and k in saved and saved[k] != model_args[k]]
     if changed:
@@ -224,11 +222,6 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_
             "from that run's): resume with that run's settings (its config.yaml), or start over (trainer.resume=never)")
     before = ckpt.get("config") or {}
     differ = [k for k in EXACT_KEYS if k in before and before[k] != conf.get(k)]
-    if differ and sweep_job:
-        raise ConfigError(
-            f"{path}: written by this sweep job's earlier launch with other {', '.join(differ)} settings (the sweep's "
-            "list of jobs changed, so this job's number names another setting): relaunch the sweep as it was, or "
-            "into a new hydra.sweep.dir")
     if differ:
         log.warning("%s: resumed with other %s settings than the run that wrote it; the rest of this run will not be "
                     "the one that run would have trained", path, ", ".join(differ))

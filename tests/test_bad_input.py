@@ -68,9 +68,9 @@ RUN = [
     ("resume from a missing checkpoint", ["ckpt_path=/nonexistent.pt"], "ckpt_path=/nonexistent.pt: no such file"),
     ("resume from a file that is not a checkpoint", ["ckpt_path={readme}"],
      "ckpt_path={readme}: not a readable checkpoint (not a zip archive, as torch.save writes: a text file?)"),
-    ("a seed of null", ["seed=null"], "seed=None: must be an integer >= 0"),
+    ("a seed of null", ["seed=null"], "seed=None: must be an integer from -2**63 to 2**63 - 1"),
     ("a seed beyond PyTorch's range", ["seed=18446744073709551616"],
-     "seed=18446744073709551616: must be below 2**64"),
+     "seed=18446744073709551616: must be an integer from -2**63 to 2**63 - 1"),
     ("no device", ["trainer.device=null"], "trainer.device=None: expected auto, cpu or cuda"),
     ("more threads than the machine can run", ["trainer.threads=100000"], "trainer.threads=100000: this machine has"),
     ("a W&B tag longer than 64 characters", ["logger=wandb", f"tags=[{'x' * 65}]"],
@@ -148,6 +148,8 @@ FILES = [
      "{data}/train.de:3: 1,101 source / 3 target positions (with the special token), above model.max_positions=1024; "
      "cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out), or raise "
      "model.max_positions (attention over N positions holds N x N scores per head)"),
+    ("a target line longer than the model takes", {"train.en": "a sentence\n" + "word " * 1100 + "\n"},
+     "{data}/train.en:2: 3 source / 1,101 target positions (with the special token), above model.max_positions=1024"),
     ("a held-out line longer than the model takes", {"test.de": "ein Satz\n" + "Wort " * 1100 + "\n"},
      "{data}/test.de:2: 1,101 source / 3 target positions (with the special token), above model.max_positions=1024; "
      "remove or split that line, or raise model.max_positions"),
@@ -242,9 +244,24 @@ def test_bad_corpus_files(what, files, message, tmp_path):
     assert str(e.value).count("\n") == message.count("\n")
 
 
+def test_held_out_lines_past_trainer_limit_eval_are_not_measured(tmp_path, shared_cache):
+    """Only the held-out pairs evaluated (trainer.limit_eval) are held to model.max_positions; a negative seed
+    (torch.manual_seed takes it) and more threads than plan.py's machine has (it plans for another) pass."""
+    import plan
+
+    data = data_dir(tmp_path, {"test.de": "ein Satz\n" + "Wort " * 1100 + "\n"})
+    cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.limit_eval=1", "seed=-1",
+                         run_dir=tmp_path / "run", cache_dir=shared_cache)
+    assert train(cfg)["status"] == "completed"
+    assert plan.main(["trainer.threads=100000", "plan.src_len=9", "plan.tgt_len=9", "plan.src_vocab=50",
+                      "plan.tgt_vocab=50"]) == 0
+
+
 def test_a_run_directory_that_is_a_file(monkeypatch):
     """Hydra's FileExistsError traceback, before: a run or sweep directory naming a file, or under one."""
     monkeypatch.chdir(ROOT)
+    check_command_line(["hydra.sweep.dir=README.md"])  # a single run has no sweep directory
+    check_command_line(["-m", "hydra.run.dir=README.md", "seed=1,2"])  # nor a sweep a run directory
     for overrides in (["hydra.run.dir=README.md"], ["-m", "hydra.sweep.dir=README.md/sweep"]):
         with pytest.raises(UserError) as e:
             check_command_line(overrides)

@@ -328,7 +328,7 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache
 def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_another(tmp_path, shared_cache):
     """memory=none,amp relaunched with trainer.resume=auto as memory=amp,none: job 0 (none's run) resumed as amp,
     with a warning, and its summary, report row and W&B run gave none's peak and tokens/s under the label amp.
-    Each job is refused in one line, its directory as it was; relaunched as it was, the jobs resume."""
+    Each job is refused in one line, its directory as it was; relaunched with the same jobs, they resume."""
     sweep = tmp_path / "sweep"
     common = [*FAST, "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.sweep.dir={sweep}",
               f"paths.cache_dir={shared_cache}"]
@@ -336,10 +336,13 @@ def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_anot
     before = [(sweep / j / "summary.json").read_text() for j in "01"]
     proc = run_cli("train.py", "-m", "memory=amp,none", "trainer.resume=auto", *common)
     assert [(sweep / j / "summary.json").read_text() for j in "01"] == before
-    assert proc.stderr.count("settings (the sweep's list of jobs changed, so this job's number names another "
-                             "setting): relaunch the sweep as it was, or into a new hydra.sweep.dir") == 2, proc.stderr
-    proc = run_cli("train.py", "-m", "memory=none,amp", "trainer.resume=auto", *common)
-    assert proc.returncode == 0 and "2 sweep job(s) did not complete" not in proc.stderr
+    assert proc.stderr.count("(a sweep relaunched with another list of jobs gives a job's number to another job): "
+                             "relaunch the sweep as it was, or into a new hydra.sweep.dir") == 2, proc.stderr
+    assert "step_00000002.pt: this sweep job's earlier launch trained memory strategy none, and this launch gives " \
+           "the job amp" in proc.stderr and f"(hydra.run.dir={sweep / '0'} trainer.resume=auto)" in proc.stderr
+    # another learning rate, the same jobs: resumed (with check_resumable's warning), as a single run is
+    proc = run_cli("train.py", "-m", "memory=none,amp", "trainer.resume=auto", "optim.lr=1e-4", *common)
+    assert proc.returncode == 0 and "did not complete" not in proc.stderr, proc.stderr
     assert [json.loads((sweep / j / "summary.json").read_text())["strategy"] for j in "01"] == ["none", "amp"]
 
 

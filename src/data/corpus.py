@@ -60,11 +60,12 @@ class Corpus:
     def train(self) -> ParallelText:
         return self.splits["train"]
 
-    def where(self, split: str, i: int) -> str:
-        """Where pair ``i`` of ``split`` is: its source file and line, or its number in a generated split."""
+    def where(self, split: str, i: int, side: int = 0) -> str:
+        """Where pair ``i`` of ``split`` is: its file's line (source, or target: ``side`` 1), or its number in a
+        generated split."""
         text, paths = self.splits[split], self.description.get(split)
         if isinstance(paths, list):
-            return f"{paths[0]}:{text.lines[i] if text.lines else i + 1}"
+            return f"{paths[side]}:{text.lines[i] if text.lines else i + 1}"
         return f"{split} pair {i + 1} ({self.description.get('name', 'generated')})"
 
 
