@@ -460,8 +460,10 @@ def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, s
             continue  # evaluated on training batches
         cut = {"src": None, "tgt": None} if held_out else caps
         evaluated = trainer.get("limit_eval") if held_out else None
-        src_lens, tgt_lens = ([min(n, cut[side] or n) + 1 for n in (getattr(ids, "lengths", None) or map(len, ids))]
-                              [:evaluated] for side, ids in (("src", split.src), ("tgt", split.tgt)))
+        src_lens, tgt_lens = [], []
+        for side, ids, lens in (("src", split.src, src_lens), ("tgt", split.tgt, tgt_lens)):
+            counts = getattr(ids, "lengths", None) or [len(x) for x in ids]  # PackedSequences keeps them
+            lens += [min(n, cut[side] or n) + 1 for n in counts[:evaluated]]
         i = next((i for i, (s, t) in enumerate(zip(src_lens, tgt_lens, strict=True)) if max(s, t) > limit), None)
         if i is not None:
             fix = "remove or split that line" if held_out else (
@@ -480,8 +482,8 @@ def check_sweep_job(path: Path, ckpt: dict, strategy: MemoryStrategy, run_dir: P
     if hydra_job().get("sweep_dir") is None or strategy.auto or not ckpt.get("strategy"):
         return
     try:
-        before = MemoryStrategy(**ckpt.get("strategy", {}))
-    except (TypeError, UserError):  # written by another version, or none kept
+        before = MemoryStrategy(**ckpt["strategy"])
+    except (TypeError, UserError):  # written by another version of MemoryStrategy
         return
     if before.auto or before.label == strategy.label:
         return
