@@ -176,7 +176,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
                           clip_grad_norm)
         trainer.check_finite = False  # reading a value back to the host: fake tensors have none (a few scalars)
         # Two equal micro-batches show all accumulation does to memory (the gradients held between micro-batches);
-        # more of them repeat the second one.
+        # more of them repeat the second one, each holding its token ids besides (a few kB the plan leaves out).
         micro = [_fake_batch(shape, args) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
