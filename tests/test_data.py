@@ -644,3 +644,15 @@ def test_path_settings_may_start_with_a_tilde(tmp_path, monkeypatch, xlmr_dir):
     from src.config_check import check_command_line
     with pytest.raises(ConfigError, match=r"data.root=~/m: a bare ~ .* write data.root=\$HOME/m or quote it"):
         check_command_line(["data=multi30k", "data.root=~/m"])
+
+
+def test_the_cache_key_keeps_the_sides_apart():
+    """Each side was hashed as its joined text and a NUL, so a NUL moved from the end of the source to the start of
+    the target gave the same key: the second corpus would have loaded the first one's token ids."""
+    from src.data.corpus import Corpus, ParallelText
+    from src.data.encode import cache_key
+
+    tokenizer = {"name": "spacy", "min_freq": 1}
+    first = Corpus("de", "en", {"train": ParallelText(["x\0"], ["y"])})
+    second = Corpus("de", "en", {"train": ParallelText(["x"], ["\0y"])})
+    assert cache_key(first, tokenizer) != cache_key(second, tokenizer)

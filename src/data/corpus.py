@@ -127,8 +127,12 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
         raw = raw[3:]
     if not raw.strip() and not blank_ok:
         raise DataError(f"{path}: file is empty")
-    if raw.count(b"\x00") > len(raw) // 4:  # every other byte NUL: UTF-16 (UTF-8 text has none)
-        raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or raw.count(b"\x00") > len(raw) // 4:  # a BOM, or every other
+        raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")  # byte NUL (Latin text)
+    if (nul := raw.find(b"\x00")) >= 0:  # text has none; UTF-16 of other scripts decodes as "valid" UTF-8
+        line = raw.count(b"\n", 0, nul) + 1
+        raise DataError(f"{path}:{line}: a NUL byte, which text does not hold (UTF-16? binary?); convert the file "
+                        "to UTF-8 text")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

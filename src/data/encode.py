@@ -140,8 +140,9 @@ def cache_key(corpus: Corpus, tokenizer: dict) -> str:
         split = corpus.splits[name]
         h.update(f"\0{name}\0{len(split)}".encode())
         for side in (split.src, split.tgt):
-            h.update("\n".join(side).encode())
-            h.update(b"\0")
+            text = "\n".join(side).encode()
+            h.update(len(text).to_bytes(8, "little"))  # each side's length first: no text moves across the border
+            h.update(text)
     return h.hexdigest()[:24]
 
 
