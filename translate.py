@@ -46,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len-a", type=float, help="a translation stops at max_len_a x its source's length + "
                    "max_len_b tokens (default: the run's)")
     p.add_argument("--max-len-b", type=int, help="see --max-len-a (default: the run's)")
+    p.add_argument("--max-positions", type=int, help="the longest source accepted, in tokens with the special "
+                   "token; 0: any (default: the run's model.max_positions)")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], help="autocast while decoding (default: the run's "
                    "memory.amp)")
     args = p.parse_args(argv)
     for flag, value, least in (("--beam-size", args.beam_size, 1), ("--batch-size", args.batch_size, 1),
                                ("--length-penalty", args.length_penalty, 0), ("--max-len-a", args.max_len_a, 0),
-                               ("--max-len-b", args.max_len_b, 1)):
+                               ("--max-len-b", args.max_len_b, 1), ("--max-positions", args.max_positions, 0)):
         if value is not None and value < least:
             p.error(f"{flag} {value}: must be >= {least}")
     to_stdout = args.output in (None, "-")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():  # a blank line: an empty translation
             hyps = translate(model, sources, src_codec, tgt_codec, device,
                              source_name="standard input" if args.input == "-" else args.input,
+                             max_positions=args.max_positions,
                              batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
                              alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
                              max_len_b=decoding["max_len_b"],

@@ -241,17 +241,20 @@ def translate(
     tgt_codec: Codec,
     device: torch.device,
     source_name: str = "input",
+    max_positions: int | None = None,
     **kwargs,
 ) -> list[str]:
     """Plain-text translations of plain-text sentences; a blank one's is empty (it is not tokenized either). A
-    sentence longer than the model's ``max_positions`` is refused as ``source_name:<line>``, before any decoding."""
+    sentence longer than ``max_positions`` (0: any; None: the model's) is refused as ``source_name:<line>``, before
+    any decoding."""
     kept = [i for i, text in enumerate(texts) if text.strip()]
     sources = [torch.tensor(ids, dtype=torch.long) for ids in src_codec.encode([texts[i] for i in kept])]
-    limit = model.args.max_positions
+    limit = model.args.max_positions if max_positions is None else max_positions or None
     for i, ids in zip(kept, sources, strict=True):
         if limit is not None and len(ids) + 1 > limit:
             raise UserError(f"{source_name}:{i + 1}: {len(ids) + 1:,} source positions (with the special token), "
-                            f"above the model's max_positions={limit}; split that line")
+                            f"above the model's max_positions={limit}; split that line, or allow it with "
+                            "--max-positions (0: any length; decoding it may need a lot of memory)")
     out = [""] * len(texts)
     for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)):
         out[i] = tgt_codec.decode(ids)

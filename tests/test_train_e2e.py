@@ -271,8 +271,12 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
     long = tmp_path / "long.de"  # refused by its line before decoding (decoding it could exhaust the memory)
     long.write_text("ein Hund\n" + "Hund " * 1100 + "\n")
     assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu"]) == 1
-    assert capsys.readouterr().err.splitlines()[-1] == (f"error: {long}:2: 1,101 source positions (with the special "
-                                                         "token), above the model's max_positions=1024; split that line")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: {long}:2: 1,101 source positions (with the special token), above the model's max_positions=1024; "
+        "split that line, or allow it with --max-positions (0: any length; decoding it may need a lot of memory)")
+    assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu", "--max-positions", "0",
+                           "--max-len-a", "0", "--max-len-b", "3"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
     assert error(str(ckpts), "--tokenizer", str(tmp_path / "other_tokenizer")).startswith(
         f"error: {tmp_path / 'other_tokenizer'}: not the tokenizer of {ckpts / 'best.pt'} (source vocabulary 6 here")
     assert error(str(ckpts), "--output", str(tmp_path)) == (
