@@ -646,7 +646,7 @@ def test_path_settings_may_start_with_a_tilde(tmp_path, monkeypatch, xlmr_dir):
         check_command_line(["data=multi30k", "data.root=~/m"])
 
 
-def test_the_cache_key_keeps_the_sides_apart():
+def test_the_cache_key_keeps_the_sides_apart_and_leaves_out_other_languages_pipelines():
     """Each side was hashed as its joined text and a NUL, so a NUL moved from the end of the source to the start of
     the target gave the same key: the second corpus would have loaded the first one's token ids."""
     from src.data.corpus import Corpus, ParallelText
@@ -656,3 +656,6 @@ def test_the_cache_key_keeps_the_sides_apart():
     first = Corpus("de", "en", {"train": ParallelText(["x\0"], ["y"])})
     second = Corpus("de", "en", {"train": ParallelText(["x"], ["\0y"])})
     assert cache_key(first, tokenizer) != cache_key(second, tokenizer)
+    # a spaCy pipeline named for a language the corpus does not have changes nothing: the same key (it re-tokenized)
+    assert cache_key(first, {**tokenizer, "models": {"fr": "fr_core_news_sm"}}) == cache_key(first, tokenizer)
+    assert cache_key(first, {**tokenizer, "models": {"de": "de_core_news_sm"}}) != cache_key(first, tokenizer)

@@ -133,6 +133,10 @@ def tokenizer_files_digest(tokenizer: dict) -> str | None:
 
 
 def cache_key(corpus: Corpus, tokenizer: dict) -> str:
+    langs = (corpus.src_lang, corpus.tgt_lang)
+    models = tokenizer.get("models") or {}
+    if isinstance(models, dict):  # spaCy pipelines of other languages change nothing here
+        tokenizer = {**tokenizer, "models": {k: v for k, v in models.items() if k in langs}}
     h = hashlib.sha256()
     h.update(json.dumps({"code": code_digest(), "tokenizer": tokenizer, "langs": [corpus.src_lang, corpus.tgt_lang],
                          "tokenizer_files": tokenizer_files_digest(tokenizer)}, sort_keys=True).encode())
