@@ -25,7 +25,7 @@ from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
 from src.planner import cost_note
-from src.run import context_gb, plan_config
+from src.planning import context_gb, plan_config
 from src.settings import resolve_config
 
 CONF = Path(__file__).resolve().parent / "conf"

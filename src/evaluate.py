@@ -3,25 +3,35 @@ sacreBLEU.
 
 Hypotheses are detokenized by the target tokenizer and scored against the raw reference text with sacreBLEU's
 corpus BLEU and chrF (sacreBLEU's defaults; BLEU tokenizes as ``bleu_metric`` says: 13a, or the target language's
-own tokenizer for Chinese, Japanese and Korean), whose signatures are recorded with the scores.
+own tokenizer for Chinese, Japanese and Korean), whose signatures are recorded with the scores. ``Evaluator`` does
+all of it for a run, on its evaluation sets (``evaluation_sets``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
+import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from .data.batching import batch_indices, collate, pad_stack, pair_sizes
-from .data.encode import EncodedSplit
+from .data.corpus import Corpus, ParallelText
+from .data.encode import EncodedCorpus, EncodedSplit
 from .errors import ConfigError, UserError
+from .memory import MemoryStrategy
 from .model import Transformer
 from .tokenizers import Codec
 from .trainer import batch_loss
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -300,3 +310,75 @@ def score(hypotheses: Sequence[str], references: Sequence[str], lowercase: bool 
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
     }
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """What a validation or the test translates (``encoded``) and scores against (``text.tgt``)."""
+
+    encoded: EncodedSplit
+    text: ParallelText
+
+
+def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = None,
+                    overfit: tuple[EncodedSplit, list[int]] | None = None) -> dict[str, EvalSet]:
+    """The validation and test sets: the corpus's, or their first ``limit`` pairs (trainer.limit_eval). With
+    ``overfit`` (the training split and the pairs of trainer.overfit_batches), both are those training pairs,
+    scored against their targets as training sees them (decoded), so that BLEU shows what the model memorized."""
+    if overfit is not None:
+        train_split, pairs = overfit
+        src, tgt = [train_split.src[i] for i in pairs], [train_split.tgt[i] for i in pairs]
+        text = ParallelText([encoded.src_codec.decode(s) for s in src], [encoded.tgt_codec.decode(t) for t in tgt])
+        sets = dict.fromkeys(("valid", "test"), EvalSet(EncodedSplit(src, tgt), text))
+    else:
+        sets = {k: EvalSet(encoded.splits[k], corpus.splits[k]) for k in ("valid", "test")}
+    if limit:
+        sets = {k: EvalSet(EncodedSplit(s.encoded.src[:limit], s.encoded.tgt[:limit]),
+                           ParallelText(s.text.src[:limit], s.text.tgt[:limit])) for k, s in sets.items()}
+    return sets
+
+
+class Evaluator:
+    """A run's validation loss and translations of its evaluation sets, at its precision and with its decoding
+    settings. Out of memory (the training state leaves evaluation less room than it had at the start, beams
+    multiply the rows): again with half the batch, kept for the rest of the run, down to one sentence. A
+    sentence's translation does not depend on its batch (``translate_ids``), its scores only by rounding."""
+
+    def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, trainer: dict,
+                 label_smoothing: float, strategy: MemoryStrategy, tgt_lang: str):
+        self.sets, self.device, self.tr, self.tgt_lang = sets, device, trainer, tgt_lang
+        self.src_codec, self.tgt_codec = encoded.src_codec, encoded.tgt_codec
+        self.label_smoothing, self.strategy = label_smoothing, strategy
+        self.batch_size = trainer["eval_batch_size"]
+        self.decode_s: dict[str, float] = {}  # seconds of the latest decoding of each set
+
+    def autocast(self):
+        return self.strategy.autocast(self.device)
+
+    def loss(self, model: Transformer) -> dict[str, float]:
+        return self._backing_off(lambda batch: validation_loss(
+            model, self.sets["valid"].encoded, self.tgt_codec, self.device, batch, self.label_smoothing, self.autocast,
+            self.strategy.loss_chunk), "the validation loss")
+
+    def translate(self, model: Transformer, split: str) -> tuple[dict, list[str]]:
+        """The scores and the translations of one set."""
+        s, tr = self.sets[split], self.tr
+        t0 = time.perf_counter()
+        hyp_ids = self._backing_off(lambda batch: translate_ids(
+            model, s.encoded.src, self.src_codec, self.tgt_codec, self.device, batch, tr["max_len_a"],
+            tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
+        self.decode_s[split] = round(time.perf_counter() - t0, 3)
+        hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
+        return score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang), hyps
+
+    def _backing_off(self, task: Callable[[int], T], what: str) -> T:
+        while True:
+            try:
+                return task(self.batch_size)
+            except torch.OutOfMemoryError as e:
+                if self.batch_size == 1:
+                    raise
+                reason = str(e).splitlines()[0]
+                self.batch_size //= 2
+            log.warning("out of memory in %s: %s; again with evaluation batches of %d", what, reason, self.batch_size)
+

@@ -9,36 +9,24 @@ checkpoint -> ``summary.json``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import os
-import random
 import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from . import planner
+from .building import build_model, build_optimizer, seed_everything
 from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
-from .data.batching import check_token_budget, epoch_batches, limit_lengths, micro_batches, pair_sizes, split_batch
-from .data.corpus import (
-    MULTI30K_URL,
-    Corpus,
-    ParallelText,
-    load_files,
-    load_multi30k,
-    load_synthetic,
-)
-from .data.encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
-from .data.synthetic import LengthDistribution
+from .data.batching import epoch_batches, micro_batches, pair_sizes, split_batch
+from .data.prepare import prepare_data
 from .distributed import (
     World,
     ddp_bucket_bytes,
@@ -50,8 +38,8 @@ from .distributed import (
     world_from_env,
 )
 from .environment import environment
-from .errors import ConfigError, DataError, NumericalError, UserError
-from .evaluate import check_scoring, score, translate_ids, validation_loss
+from .errors import ConfigError, NumericalError, UserError
+from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
 from .fileio import write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
@@ -65,7 +53,8 @@ from .memory import (
     peak_rss_mb,
     reset_peak_rss,
 )
-from .model import ModelArgs, Transformer
+from .model import Transformer
+from .planning import choose_for_budget
 from .profiling import StepProfiler
 from .settings import check_settings, check_threads, resolve_config, resolve_device
 from .state import (
@@ -82,221 +71,14 @@ from .state import (
     step_checkpoints,
 )
 from .tokenizers import save_codecs
-from .trainer import AgreedOutOfMemoryError, LossModule, Trainer, inverse_sqrt_schedule, paper_peak_lr
+from .trainer import AgreedOutOfMemoryError, LossModule, Trainer
+from .window import Window
 
-T = TypeVar("T")
 OPTIM_SETTINGS = ("betas", "eps", "weight_decay")  # Adam's, from optim: the configured ones win over a checkpoint's
 log = logging.getLogger(__name__)
 
 
-# ------------------------------------------------------------------------------------------------ building
-
-
-def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
-    name = data.get("name")
-    src, tgt = data["src_lang"], data["tgt_lang"]
-    if name == "synthetic":
-        try:
-            lengths = LengthDistribution(
-                **{k: data[k] for k in ("continue_prob", "max_clauses", "long_fraction", "long_clauses") if k in data}
-            )
-        except ValueError as e:  # it names the key
-            raise ConfigError(str(e)) from None
-        sizes = {"train": data["train_size"], "valid": data["valid_size"], "test": data["test_size"]}
-        return load_synthetic(src, tgt, sizes, data["seed"], lengths)
-    if name == "multi30k":
-        return load_multi30k(src, tgt, data.get("root"), cache_dir, data.get("url") or MULTI30K_URL, download_ok)
-    if name == "files":
-        prefixes = {split: data.get(f"{split}_prefix") for split in ("train", "valid", "test")}
-        return load_files(prefixes, src, tgt)
-    raise ConfigError(f"data.name={name!r}: expected synthetic, multi30k or files")
-
-
-def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
-    src, tgt = encoded.src_codec, encoded.tgt_codec
-    if (src.pad_id, src.eos_id) != (tgt.pad_id, tgt.eos_id):  # batches end and pad sources with the target's ids
-        raise ConfigError("source and target tokenizers must share the padding and end-of-sentence ids")
-    return Transformer(model_args(model, len(src), len(tgt), src is tgt, tgt.pad_id))
-
-
-def count_parameters(model: dict, encoded: EncodedCorpus) -> int:
-    """Parameters of the configured model for these vocabularies, built on the meta device (no memory)."""
-    with torch.device("meta"):
-        return build_model(model, encoded).num_parameters()
-
-
-def build_optimizer(model: Transformer, optim: dict, device: torch.device, fused: bool = True):
-    warmup = optim["warmup_steps"]
-    peak = optim.get("lr") or paper_peak_lr(model.args.d_model, warmup, optim.get("lr_factor", 1.0))
-    optimizer = torch.optim.Adam(
-        model.parameters(),
-        lr=peak,
-        betas=tuple(optim["betas"]),
-        eps=optim["eps"],
-        weight_decay=optim.get("weight_decay", 0.0),
-        # One fused kernel for all parameters (CUDA and CPU have it; on 2 CPU cores it is 4x faster than the
-        # default loop for model=small).
-        # FSDP's sharded parameters (DTensors) take the foreach implementation.
-        fused=(fused and device.type in ("cuda", "cpu")) or None,
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(warmup))
-    return optimizer, scheduler, peak
-
-
-def model_args(model: dict, src_vocab: int, tgt_vocab: int, shared: bool, pad_id: int) -> ModelArgs:
-    """The model group's settings (checked by ``check_settings`` before the data is read) and the vocabularies."""
-    fields = {k: v for k, v in model.items() if k != "name"}
-    try:
-        return ModelArgs(src_vocab=src_vocab, tgt_vocab=tgt_vocab, pad_id=pad_id, share_vocab=shared, **fields)
-    except TypeError as e:
-        raise ConfigError(f"model: {e}") from None
-
-
-def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
-                      device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
-    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
-    run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
-    plan = conf.get("plan") or {}
-    context = context_gb({**plan, "device": device.type})  # no CUDA context on the CPU
-    budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
-    src, tgt = encoded.src_codec, encoded.tgt_codec
-    args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
-    amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
-    longest_src, longest_tgt = planner.longest_pair(train_split)
-    chosen, est, tried = planner.choose_strategy(
-        args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
-        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
-        device="cuda" if device.type == "cuda" else "cpu", world_size=world_size,
-    )
-    return chosen, {
-        "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
-        "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
-        "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
-    }
-
-
-def context_gb(plan: dict) -> float:
-    """The CUDA context a card needs beside the allocator's memory (``plan.context_gb``); none planned for the
-    CPU (``plan.device=cpu``), as a CPU run's memory=auto counts none."""
-    return plan.get("context_gb", 0.5) if plan.get("device", "cuda") == "cuda" else 0.0
-
-
-def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple[MemoryStrategy, planner.Estimate, dict]:
-    """plan.py: the estimated peak of one worst-case training step of a resolved config. Lengths and vocabulary
-    sizes come from ``plan.*`` when given, else from the training data exactly as training prepares it (cached;
-    nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb;
-    ``configured`` is the estimate already made of the same config without memory=auto, which it starts from."""
-    strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
-    plan = conf.get("plan") or {}
-    device = plan.get("device", "cuda")
-    check_settings(conf)  # before the data is read
-    keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
-    shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
-    measured: dict = {}
-    if not all(plan.get(k) for k in keys):
-        try:
-            _, encoded, train_split, _ = prepare_data(conf, strategy, download_ok=False)
-        except DataError as e:
-            raise DataError(f"{e} (or give plan.src_len, plan.tgt_len, plan.src_vocab and plan.tgt_vocab)") from None
-        measured = dict(zip(keys, (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))))
-        shared = encoded.src_codec is encoded.tgt_codec
-    src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in keys)
-    if strategy.max_src_len:
-        src_len = min(src_len, strategy.max_src_len)
-    if strategy.max_tgt_len:
-        tgt_len = min(tgt_len, strategy.max_tgt_len)
-    if strategy.max_tokens:  # a budget that cannot hold the longest pair fails in training: say so here
-        try:
-            check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
-    ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
-    info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
-            "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
-    world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
-    if world_size > 1:
-        info["world_size"] = world_size
-    if strategy.auto:
-        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context_gb(plan))
-        strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
-                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip,
-                                                               device, world_size, configured)
-        return strategy, est, info
-    shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
-                                       strategy.accum_steps)
-    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device), info
-
-
-@dataclasses.dataclass
-class EvalSet:
-    """What a validation or the test translates (``encoded``) and scores against (``text.tgt``)."""
-
-    encoded: EncodedSplit
-    text: ParallelText
-
-
-def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = None,
-                    overfit: tuple[EncodedSplit, list[int]] | None = None) -> dict[str, EvalSet]:
-    """The validation and test sets: the corpus's, or their first ``limit`` pairs (trainer.limit_eval). With
-    ``overfit`` (the training split and the pairs of trainer.overfit_batches), both are those training pairs,
-    scored against their targets as training sees them (decoded), so that BLEU shows what the model memorized."""
-    if overfit is not None:
-        train_split, pairs = overfit
-        src, tgt = [train_split.src[i] for i in pairs], [train_split.tgt[i] for i in pairs]
-        text = ParallelText([encoded.src_codec.decode(s) for s in src], [encoded.tgt_codec.decode(t) for t in tgt])
-        sets = dict.fromkeys(("valid", "test"), EvalSet(EncodedSplit(src, tgt), text))
-    else:
-        sets = {k: EvalSet(encoded.splits[k], corpus.splits[k]) for k in ("valid", "test")}
-    if limit:
-        sets = {k: EvalSet(EncodedSplit(s.encoded.src[:limit], s.encoded.tgt[:limit]),
-                           ParallelText(s.text.src[:limit], s.text.tgt[:limit])) for k, s in sets.items()}
-    return sets
-
-
-class Evaluator:
-    """A run's validation loss and translations of its evaluation sets, at its precision and with its decoding
-    settings. Out of memory (the training state leaves evaluation less room than it had at the start, beams
-    multiply the rows): again with half the batch, kept for the rest of the run, down to one sentence. A
-    sentence's translation does not depend on its batch (``translate_ids``), its scores only by rounding."""
-
-    def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, trainer: dict,
-                 label_smoothing: float, strategy: MemoryStrategy, tgt_lang: str):
-        self.sets, self.device, self.tr, self.tgt_lang = sets, device, trainer, tgt_lang
-        self.src_codec, self.tgt_codec = encoded.src_codec, encoded.tgt_codec
-        self.label_smoothing, self.strategy = label_smoothing, strategy
-        self.batch_size = trainer["eval_batch_size"]
-        self.decode_s: dict[str, float] = {}  # seconds of the latest decoding of each set
-
-    def autocast(self):
-        return self.strategy.autocast(self.device)
-
-    def loss(self, model: Transformer) -> dict[str, float]:
-        return self._backing_off(lambda batch: validation_loss(
-            model, self.sets["valid"].encoded, self.tgt_codec, self.device, batch, self.label_smoothing, self.autocast,
-            self.strategy.loss_chunk), "the validation loss")
-
-    def translate(self, model: Transformer, split: str) -> tuple[dict, list[str]]:
-        """The scores and the translations of one set."""
-        s, tr = self.sets[split], self.tr
-        t0 = time.perf_counter()
-        hyp_ids = self._backing_off(lambda batch: translate_ids(
-            model, s.encoded.src, self.src_codec, self.tgt_codec, self.device, batch, tr["max_len_a"],
-            tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
-        self.decode_s[split] = round(time.perf_counter() - t0, 3)
-        hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang), hyps
-
-    def _backing_off(self, task: Callable[[int], T], what: str) -> T:
-        while True:
-            try:
-                return task(self.batch_size)
-            except torch.OutOfMemoryError as e:
-                if self.batch_size == 1:
-                    raise
-                reason = str(e).splitlines()[0]
-                self.batch_size //= 2
-            log.warning("out of memory in %s: %s; again with evaluation batches of %d", what, reason, self.batch_size)
+# ------------------------------------------------------------------------------------------------ run dir
 
 
 def holds_earlier_run(run_dir: Path) -> bool:
@@ -313,11 +95,6 @@ def holds_earlier_run(run_dir: Path) -> bool:
 def checkpoint_dir(run_dir: Path) -> Path:
     """Where a run keeps its step checkpoints and best.pt."""
     return run_dir / "checkpoints"
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -440,40 +217,6 @@ def deterministic_algorithms(enabled: bool):
         torch.backends.cudnn.benchmark = before[2]
 
 
-def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, strategy: MemoryStrategy,
-                    trainer: dict) -> None:
-    """Refuse a pair longer than model.max_positions (with its special token), naming its file and line: one stray
-    line of 100,000 words made a step that exhausted the host's memory, and the kernel killed the run without a
-    word. The training split is measured as truncation leaves it (memory.max_src_len / max_tgt_len), the held-out
-    splits as far as they are evaluated (trainer.limit_eval; not at all under trainer.overfit_batches)."""
-    if limit is None:
-        return
-    caps = {"src": strategy.max_src_len if strategy.truncates else None,
-            "tgt": strategy.max_tgt_len if strategy.truncates else None}
-    for side, cap in caps.items():
-        if cap is not None and cap + 1 > limit:
-            raise ConfigError(f"memory.max_{side}_len={cap}: above model.max_positions={limit} less the special "
-                              f"token; set at most {limit - 1}, or raise model.max_positions")
-    for name, split in encoded.splits.items():
-        held_out = name != "train"
-        if held_out and trainer.get("overfit_batches"):
-            continue  # evaluated on training batches
-        cut = {"src": None, "tgt": None} if held_out else caps
-        evaluated = trainer.get("limit_eval") if held_out else None
-        src_lens, tgt_lens = [], []
-        for side, ids, lens in (("src", split.src, src_lens), ("tgt", split.tgt, tgt_lens)):
-            counts = getattr(ids, "lengths", None) or [len(x) for x in ids]  # PackedSequences keeps them
-            lens += [min(n, cut[side] or n) + 1 for n in counts[:evaluated]]
-        i = next((i for i, (s, t) in enumerate(zip(src_lens, tgt_lens, strict=True)) if max(s, t) > limit), None)
-        if i is not None:
-            fix = "remove or split that line" if held_out else (
-                "cut long sentences with memory=truncate (memory.overlong=drop leaves such pairs out)")
-            raise DataError(f"{corpus.where(name, i, side=int(tgt_lens[i] > limit >= src_lens[i]))}: "
-                            f"{src_lens[i]:,} source / {tgt_lens[i]:,} target positions (with the special token), "
-                            f"above model.max_positions={limit}; {fix}, or raise model.max_positions (attention over "
-                            "N positions holds N x N scores per head)")
-
-
 def check_sweep_job(path: Path, ckpt: dict, strategy: MemoryStrategy, run_dir: Path) -> None:
     """A sweep's job resuming its own checkpoint under another memory strategy is refused: a sweep relaunched
     with another list of jobs (memory=none,amp again as memory=amp,none) gives a job's number to another job, which
@@ -491,44 +234,6 @@ def check_sweep_job(path: Path, ckpt: dict, strategy: MemoryStrategy, run_dir: P
                       f"launch gives the job {strategy.label} (a sweep relaunched with another list of jobs gives a "
                       "job's number to another job): relaunch the sweep as it was, or into a new hydra.sweep.dir; "
                       f"or go on as {strategy.label} in a single run (hydra.run.dir={run_dir} trainer.resume=auto)")
-
-
-def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
-                 ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
-    """The corpus, its encoding (cached), the training split after truncation, and what was done to it. Under
-    torchrun each machine's first rank downloads and tokenizes, and the others load its cache."""
-    cache_dir = Path(conf["paths"]["cache_dir"]).expanduser()
-    with (world or World()).local_main_first():
-        corpus = load_corpus(conf["data"], cache_dir, download_ok)
-        encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
-    check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy, conf["trainer"])
-    info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
-    if encoded.encode_peak_rss_mb is not None:
-        info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
-    train_split = encoded.splits["train"]
-    if strategy.truncates:
-        train_split, limited = limit_lengths(train_split, strategy.max_src_len, strategy.max_tgt_len, strategy.overlong)
-        info["length_limit"] = limited.as_dict()
-        log.info(
-            "truncate (%s): %d of %d training pairs over the limits, %.2f%% of the tokens removed",
-            strategy.overlong, limited.pairs, limited.total_pairs, 100 * info["length_limit"]["tokens_removed_share"],
-        )
-        if not len(train_split):
-            raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
-    if strategy.trim_vocab:  # after truncation: the pieces of the pairs trained on, as they are trained on
-        full = encoded
-        encoded = trim_vocabulary(encoded, train_split)
-        train_split = encoded.splits["train"]
-        info["trim_vocab"] = {
-            "vocab_before": {"src": len(full.src_codec), "tgt": len(full.tgt_codec)},
-            "vocab_after": {"src": len(encoded.src_codec), "tgt": len(encoded.tgt_codec)},
-            "parameters_before": count_parameters(conf["model"], full),
-            "parameters_after": count_parameters(conf["model"], encoded),
-        }
-        log.info("trim_vocab: %s", info["trim_vocab"])
-    src_codec, tgt_codec = encoded.src_codec, encoded.tgt_codec
-    info["vocab"] = {"src": len(src_codec), "tgt": len(tgt_codec), "shared": src_codec is tgt_codec}
-    return corpus, encoded, train_split, info
 
 
 def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[], RunLogger | NullLogger],
@@ -573,7 +278,7 @@ class TrainingRun:
         self._compile_and_watch_memory()
         self._read_settings()
         self.p = Progress(accum_steps=self.strategy.accum_steps)
-        self.window = _Window(device, world)
+        self.window = Window(device, world)
         self.saved_step = -1  # the step of the newest step checkpoint written by this process
         if resumed is not None:
             self._resume(*resumed)
@@ -1083,104 +788,3 @@ class TrainingRun:
 
 def _round(x: float | None, digits: int = 1) -> float | None:
     return None if x is None else round(x, digits)
-
-
-class _Window:
-    """Training figures between two log lines, read from the device once per window rather than per step,
-    plus the run's totals. The clock runs only while training steps run: it is paused (after the GPU catches
-    up) for evaluation."""
-
-    def __init__(self, device: torch.device, world: World | None = None):
-        self.device, self.world = device, world or World()
-        self.total_seconds = 0.0
-        self.total_src_tokens = self.total_tgt_tokens = self.total_padded = self.total_skipped = self.total_flops = 0
-        self.reset()
-
-    def reset(self) -> None:
-        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
-        self.loss_tokens = 0  # the target tokens of the updates taken: the loss's denominator
-        self.loss = self.nll = self.grad_norm = self.lr = 0.0
-        self.epoch = 0  # the epoch of the window's last step
-        self.seconds = 0.0
-        self._t0: float | None = None
-
-    def resume(self) -> None:
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
-
-    def pause(self) -> None:
-        if self._t0 is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # until here the clock saw kernel launches, not their work
-            self.seconds += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def add(self, stats, epoch: int = 0) -> None:
-        # the work of every step, one whose update a non-finite loss skipped too: its time is on the clock
-        self.tgt_tokens += stats.n_tgt_tokens
-        self.src_tokens += stats.n_src_tokens
-        self.padded += stats.n_padded
-        self.flops += stats.flops
-        if stats.nonfinite:  # not an update: its NaN would poison the window's means
-            return
-        self.steps += 1
-        self.epoch = epoch
-        self.loss_tokens += stats.n_tgt_tokens
-        self.loss = self.loss + stats.loss_sum  # device tensors: no host sync per step
-        self.nll = self.nll + stats.nll_sum
-        if not stats.skipped:  # fp16's routine overflow: an infinite norm, which the scaler skipped
-            self.grad_norm = self.grad_norm + stats.grad_norm
-        self.skipped += stats.skipped
-        self.lr = stats.lr  # the window's last update's
-
-    TOTALS = ("total_seconds", "total_src_tokens", "total_tgt_tokens", "total_padded", "total_skipped", "total_flops")
-
-    def totals(self) -> dict:
-        return {k: getattr(self, k) for k in self.TOTALS}
-
-    def load_totals(self, totals: dict) -> None:
-        for k, v in totals.items():
-            setattr(self, k, v)
-
-    def padding_ratio(self, total: bool = False) -> float:
-        """Share of the source and target positions computed on that were padding."""
-        real = self.total_src_tokens + self.total_tgt_tokens if total else self.src_tokens + self.tgt_tokens
-        padded = self.total_padded if total else self.padded
-        return 1 - real / padded if padded else 0.0
-
-    def flush(self) -> dict:
-        """The window's figures (empty if no step ran since the last flush); starts a new window."""
-        self.pause()
-        if not self.steps:
-            return {}
-        if self.world.distributed:  # the sums over the ranks (the gradient norm is the same on all of them)
-            self.loss, self.nll, tgt, src, padded, flops, loss_tokens = self.world.all_sum(
-                [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded, self.flops, self.loss_tokens],
-                self.device)
-            self.tgt_tokens, self.src_tokens, self.padded, self.flops = int(tgt), int(src), int(padded), int(flops)
-            self.loss_tokens = int(loss_tokens)
-        self.total_seconds += self.seconds
-        self.total_src_tokens += self.src_tokens
-        self.total_tgt_tokens += self.tgt_tokens
-        self.total_padded += self.padded
-        self.total_skipped += self.skipped
-        self.total_flops += self.flops
-        loss, nll, gn = (float(x) for x in (self.loss, self.nll, self.grad_norm))
-        metrics = {
-            "window_s": round(self.seconds, 4),
-            "src_tokens": self.src_tokens,
-            "loss": loss / self.loss_tokens,
-            "nll": nll / self.loss_tokens,
-            "lr": self.lr,
-            "tokens_per_s": (self.src_tokens + self.tgt_tokens) / max(self.seconds, 1e-9),
-            "tgt_tokens": self.tgt_tokens,
-            "padding_ratio": self.padding_ratio(),
-            "model_tflops": self.flops / max(self.seconds, 1e-9) / 1e12,  # model FLOP/s (ModelArgs.training_flops)
-            "epoch": self.epoch,
-        }
-        if self.steps > self.skipped:  # the norm of the updates taken (an fp16 step the scaler skipped has none)
-            metrics["grad_norm"] = gn / (self.steps - self.skipped)
-        if self.skipped:
-            metrics["fp16_skipped_steps"] = self.skipped
-        self.reset()
-        return metrics

@@ -112,7 +112,7 @@ def main_first(out: Path, world) -> None:
     each rank tokenized it or loaded it."""
     from omegaconf import OmegaConf
 
-    from src.run import prepare_data
+    from src.data.prepare import prepare_data
     from tests.conftest import compose_config
 
     cfg = compose_config("data.train_size=200", run_dir=out / "run", cache_dir=out / "cache")

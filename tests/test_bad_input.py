@@ -419,7 +419,7 @@ def test_tokenizers_that_end_sentences_with_other_ids_are_refused():
     """Batches end and pad the source with the target tokenizer's ids, and decoding with the source's own."""
     import types
 
-    from src.run import build_model
+    from src.building import build_model
 
     class Codec:
         def __init__(self, eos_id):

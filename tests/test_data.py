@@ -614,8 +614,8 @@ def test_path_settings_may_start_with_a_tilde(tmp_path, monkeypatch, xlmr_dir):
     would have, instead of looking for a folder named ``~``. Unquoted, the override is refused saying so."""
     from omegaconf import OmegaConf
 
+    from src.data.prepare import prepare_data
     from src.memory import MemoryStrategy
-    from src.run import prepare_data
     from src.state import find_resume
     from src.tokenizers import HFCodec
 

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 import src.run
 from src.data.batching import epoch_batches, micro_batches, pair_sizes
+from src.data.prepare import prepare_data
 from src.distributed import World, shard_steps
 from src.memory import MemoryStrategy, memory_strategy
 
@@ -102,7 +103,7 @@ def test_two_ranks_make_the_update_of_one_process_on_the_same_global_batch(worke
 def first_batches_tokens(run: Path, n: int) -> tuple[int, int]:
     """(source, target) tokens, each with its end of sentence, of the first ``n`` batches of the run's first epoch."""
     conf = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"))
-    _, _, split, _ = src.run.prepare_data(conf, memory_strategy(conf["memory"]))
+    _, _, split, _ = prepare_data(conf, memory_strategy(conf["memory"]))
     batches = epoch_batches(pair_sizes(split), conf["data"]["batch_size"], None, shuffle=True, seed=conf["seed"], epoch=0)
     pairs = [i for b in batches[:n] for i in b]
     return sum(len(split.src[i]) + 1 for i in pairs), sum(len(split.tgt[i]) + 1 for i in pairs)
@@ -375,7 +376,7 @@ def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_
     assert [p.name.endswith(".pt") for p in (tmp_path / "cache").iterdir()] == [True]
     from omegaconf import OmegaConf
 
-    from src.run import prepare_data
+    from src.data.prepare import prepare_data
 
     cfg = compose_config("data.train_size=200", run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")  # as the workers
     assert prepare_data(OmegaConf.to_container(cfg, resolve=True), MemoryStrategy())[1].from_cache

@@ -198,9 +198,9 @@ def test_plan_py_gives_memory_auto_the_budget_a_run_on_that_device_gives_it(monk
                                                      *lengths, run_dir=Path(".")), resolve=True)
         budgets.clear()
         with pytest.raises(StopIteration):
-            src.run.plan_config(conf)  # plan.py
+            src.planning.plan_config(conf)  # plan.py
         with pytest.raises(StopIteration):  # a run's memory=auto
-            src.run.choose_for_budget(conf, memory_strategy(conf["memory"]), encoded, split, torch.device(device))
+            src.planning.choose_for_budget(conf, memory_strategy(conf["memory"]), encoded, split, torch.device(device))
         assert budgets[0] == budgets[1] == planner.usable_bytes(2, 0.10, 0.5 if device == "cuda" else 0.0)
 
 
@@ -451,7 +451,7 @@ def test_oom_back_off_gives_up_with_a_snapshot(fast_cfg):
 def test_evaluation_out_of_memory_halves_its_batch_and_scores_the_same(fast_cfg, tmp_path, shared_cache, monkeypatch):
     """Validation and decoding that run out of memory (batches of 16 sentences here, with 4 allowed) go on with
     half the batch, kept for the rest of the run, and give the same losses, translations and BLEU."""
-    import src.run
+    import src.evaluate
 
     runs = [fast_cfg("trainer.eval_batch_size=16"),
             compose_config(*FAST, "trainer.eval_batch_size=16", run_dir=tmp_path / "oom", cache_dir=shared_cache)]
@@ -466,8 +466,8 @@ def test_evaluation_out_of_memory_halves_its_batch_and_scores_the_same(fast_cfg,
             return function(*args)
         return call
 
-    monkeypatch.setattr(src.run, "translate_ids", limited(src.run.translate_ids, 5))
-    monkeypatch.setattr(src.run, "validation_loss", limited(src.run.validation_loss, 4))
+    monkeypatch.setattr(src.evaluate, "translate_ids", limited(src.evaluate.translate_ids, 5))
+    monkeypatch.setattr(src.evaluate, "validation_loss", limited(src.evaluate.validation_loss, 4))
     backed_off = train(runs[1])
     # the first validation's loss backs off twice, and everything after runs with 4: decoding and the test set
     assert calls == [16, 8, 4, 4, 4, 4, 4]
@@ -511,8 +511,10 @@ def test_one_rank_under_ddp_is_planned_with_ddps_gradient_buckets(fast_cfg):
     gradients): plan.py with plan.world_size and memory=auto under torchrun plan them; one process does not."""
     from omegaconf import OmegaConf
 
+    from src.building import count_parameters
+    from src.data.prepare import prepare_data
     from src.memory import memory_strategy
-    from src.run import choose_for_budget, count_parameters, plan_config, prepare_data
+    from src.planning import choose_for_budget, plan_config
 
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=1, **TINY)
     shape = StepShape(16, 21, 19)

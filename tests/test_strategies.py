@@ -129,7 +129,7 @@ def test_trimmed_vocabulary_round_trips_training_sentences(xlmr_dir, tmp_path):
 def test_a_vocabulary_trimmed_after_truncation_holds_the_pieces_trained_on(xlmr_dir, tmp_path, overlong):
     """memory=[truncate,trim_vocab]: the vocabulary keeps the pieces of the pairs as they are trained on, not those
     only cut tails or dropped pairs held (they were kept: embedding, output and Adam rows never trained)."""
-    from src.run import prepare_data
+    from src.data.prepare import prepare_data
 
     cfg = compose_config(*FAST, "tokenizer=xlmr", f"tokenizer.name_or_path={xlmr_dir}", "memory=[truncate,trim_vocab]",
                          "memory.max_src_len=6", "memory.max_tgt_len=6", f"memory.overlong={overlong}",

@@ -94,7 +94,7 @@ def test_git_state_names_the_commit_and_local_changes(tmp_path):
 
 def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, ...] = ("best.pt",)) -> list[str]:
     """The run's test set translated by ``translate.py`` with its best checkpoint (or the average of others)."""
-    from src.run import load_corpus
+    from src.data.prepare import load_corpus
 
     test = load_corpus(dict(cfg.data), tmp_path).splits["test"]
     (tmp_path / "test.de").write_text("\n".join(test.src) + "\n")
@@ -570,13 +570,13 @@ def test_a_lowercasing_tokenizer_is_scored_case_insensitively(fast_cfg, tmp_path
 def test_a_windows_grad_norm_leaves_out_fp16_skipped_steps():
     """A step the GradScaler skipped (an overflow: routine in fp16) has an infinite norm and no update: the window's
     mean norm is of the updates taken (one skip made it infinite, null in metrics.jsonl)."""
-    from src.run import _Window
     from src.trainer import StepStats
+    from src.window import Window
 
     def stats(norm: float, skipped: bool) -> StepStats:
         return StepStats(torch.tensor(10.0), torch.tensor(9.0), 5, 5, 12, torch.tensor(norm), skipped)
 
-    window = _Window(torch.device("cpu"))
+    window = Window(torch.device("cpu"))
     for norm, skipped in ((float("inf"), True), (2.0, False), (4.0, False)):
         window.add(stats(norm, skipped))
     metrics = window.flush()

@@ -25,11 +25,11 @@ sys.path.insert(0, str(HERE))
 
 from run import ROOT, commit, reference  # noqa: E402
 from src import trainer as trainer_module  # noqa: E402
+from src.building import build_model, build_optimizer  # noqa: E402
 from src.data.batching import batch_indices, epoch_batches, micro_batches, pair_sizes  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.fileio import write_json, write_text  # noqa: E402
 from src.memory import TensorMemoryTracker, keep_freed_host_memory  # noqa: E402
-from src.run import build_model, build_optimizer  # noqa: E402
 from src.trainer import Trainer  # noqa: E402
 
 # name: (what is undone, settings). The first runs before keep_freed_host_memory (process-wide, for good);

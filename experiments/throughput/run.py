@@ -91,8 +91,8 @@ def reference(overrides: list[str]) -> tuple[dict, object, object, object]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from src.data.prepare import prepare_data
     from src.memory import memory_strategy
-    from src.run import prepare_data
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["experiment=throughput_ref", "paths.output_dir=.", *overrides])

@@ -1,0 +1,94 @@
+"""The planner (src/planner.py) applied to a resolved config: ``plan_config`` for plan.py, ``choose_for_budget``
+for a run's memory=auto once its data is read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import planner
+from .building import model_args
+from .data.batching import check_token_budget
+from .data.encode import EncodedCorpus, EncodedSplit
+from .data.prepare import prepare_data
+from .errors import ConfigError, DataError
+from .memory import MemoryStrategy, memory_strategy
+from .settings import check_settings
+
+
+def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
+                      device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
+    """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
+    run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
+    plan = conf.get("plan") or {}
+    context = context_gb({**plan, "device": device.type})  # no CUDA context on the CPU
+    budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
+    src, tgt = encoded.src_codec, encoded.tgt_codec
+    args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
+    amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
+    longest_src, longest_tgt = planner.longest_pair(train_split)
+    chosen, est, tried = planner.choose_strategy(
+        args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
+        conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
+        device="cuda" if device.type == "cuda" else "cpu", world_size=world_size,
+    )
+    return chosen, {
+        "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
+        "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
+        "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
+    }
+
+
+def context_gb(plan: dict) -> float:
+    """The CUDA context a card needs beside the allocator's memory (``plan.context_gb``); none planned for the
+    CPU (``plan.device=cpu``), as a CPU run's memory=auto counts none."""
+    return plan.get("context_gb", 0.5) if plan.get("device", "cuda") == "cuda" else 0.0
+
+
+def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple[MemoryStrategy, planner.Estimate, dict]:
+    """plan.py: the estimated peak of one worst-case training step of a resolved config. Lengths and vocabulary
+    sizes come from ``plan.*`` when given, else from the training data exactly as training prepares it (cached;
+    nothing is allocated for the model). With memory=auto, the strategy it would choose for memory.budget_gb;
+    ``configured`` is the estimate already made of the same config without memory=auto, which it starts from."""
+    strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
+    plan = conf.get("plan") or {}
+    device = plan.get("device", "cuda")
+    check_settings(conf)  # before the data is read
+    keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
+    shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
+    measured: dict = {}
+    if not all(plan.get(k) for k in keys):
+        try:
+            _, encoded, train_split, _ = prepare_data(conf, strategy, download_ok=False)
+        except DataError as e:
+            raise DataError(f"{e} (or give plan.src_len, plan.tgt_len, plan.src_vocab and plan.tgt_vocab)") from None
+        measured = dict(zip(keys, (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))))
+        shared = encoded.src_codec is encoded.tgt_codec
+    src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in keys)
+    if strategy.max_src_len:
+        src_len = min(src_len, strategy.max_src_len)
+    if strategy.max_tgt_len:
+        tgt_len = min(tgt_len, strategy.max_tgt_len)
+    if strategy.max_tokens:  # a budget that cannot hold the longest pair fails in training: say so here
+        try:
+            check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
+    ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
+    info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
+            "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
+    world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
+    if world_size > 1:
+        info["world_size"] = world_size
+    if strategy.auto:
+        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context_gb(plan))
+        strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
+                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip,
+                                                               device, world_size, configured)
+        return strategy, est, info
+    shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                       strategy.accum_steps)
+    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device), info
+
