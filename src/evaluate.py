@@ -1,10 +1,11 @@
 """Evaluation: teacher-forced validation loss, batched greedy decoding and beam search with a key/value cache, and
 sacreBLEU.
 
-Hypotheses are detokenized by the target tokenizer and scored against the raw reference text with sacreBLEU's
-corpus BLEU and chrF (sacreBLEU's defaults; BLEU tokenizes as ``bleu_metric`` says: 13a, or the target language's
-own tokenizer for Chinese, Japanese and Korean), whose signatures are recorded with the scores. ``Evaluator`` does
-all of it for a run, on its evaluation sets (``evaluation_sets``).
+Hypotheses are detokenized by the target tokenizer (an unknown token as one word, ``tokenizers.UNK_TEXT``) and
+scored against the raw reference text with sacreBLEU's corpus BLEU and chrF (sacreBLEU's defaults; BLEU tokenizes
+as ``bleu_metric`` says: 13a, or the target language's own tokenizer for Chinese, Japanese and Korean), whose
+signatures are recorded with the scores. ``Evaluator`` does all of it for a run, on its evaluation sets
+(``evaluation_sets``).
 """
 
 from __future__ import annotations
@@ -369,7 +370,11 @@ class Evaluator:
             tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
-        return score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang), hyps
+        scores = score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang)
+        eos, unk = self.tgt_codec.eos_id, self.tgt_codec.unk_id
+        # unknown words written (tokenizers.UNK_TEXT), each one wrong word in BLEU: a small vocabulary's cost
+        scores["unk_words"] = sum(ids[:ids.index(eos)].count(unk) if eos in ids else ids.count(unk) for ids in hyp_ids)
+        return scores, hyps
 
     def _backing_off(self, task: Callable[[int], T], what: str) -> T:
         while True:

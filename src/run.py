@@ -697,7 +697,7 @@ class TrainingRun:
         losses = evaluator.loss(m)
         scores, hyps = evaluator.translate(m, "valid")
         metrics = {f"valid_{k}": v for k, v in losses.items()}
-        metrics |= {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"]}
+        metrics |= {"valid_bleu": scores["bleu"], "valid_chrf": scores["chrf"], "valid_unk_words": scores["unk_words"]}
         metrics["eval_s"] = round(time.perf_counter() - t0, 2)
         logger.log(metrics, p.step)
         valid = self.eval_sets["valid"].text
@@ -781,6 +781,7 @@ class TrainingRun:
             "test_decode_s": self.evaluator.decode_s["test"],  # decoding the test set (batched, key/value cache)
             "beam_size": self.tr["beam_size"],
             "test_chrf": test_scores["chrf"],
+            "test_unk_words": test_scores["unk_words"],  # unknown words in test.hyp.txt (tokenizers.UNK_TEXT)
             "sacrebleu_signature": test_scores["bleu_signature"],
             "chrf_signature": test_scores["chrf_signature"],
         }

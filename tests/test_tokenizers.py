@@ -8,7 +8,17 @@ import pytest
 from src import fileio
 from src.data.corpus import read_lines
 from src.errors import ConfigError
-from src.tokenizers import SPECIALS, HFCodec, SpacyCodec, build_codecs, codec_from_state, load_codecs, save_codecs
+from src.tokenizers import (
+    SPECIALS,
+    UNK_TEXT,
+    HFCodec,
+    SpacyCodec,
+    TrimmedCodec,
+    build_codecs,
+    codec_from_state,
+    load_codecs,
+    save_codecs,
+)
 
 from .conftest import make_xlmr_tokenizer, multi30k_root
 from .helpers import run_cli
@@ -42,6 +52,30 @@ def test_detokenization_is_learned_from_the_training_text():
         assert codec.decode(codec.encode([sentence])[0]) == sentence
     ids = codec.encode(["Ein Mann wartet."])[0]
     assert codec.decode([codec.bos_id, *ids, codec.eos_id, codec.pad_id, 7]) == "Ein Mann wartet."
+
+
+def bleu_words(hypothesis: str) -> int:
+    """The words sacreBLEU's BLEU counts in a hypothesis (its 13a tokenization)."""
+    from src.evaluate import bleu_metric
+
+    return bleu_metric().corpus_score([hypothesis], [["x"]]).sys_len
+
+
+def test_an_unknown_word_is_one_word_of_the_scored_text_in_both_tokenizers(xlmr_dir):
+    """An unknown token decodes as one word that matches nothing, whichever tokenizer: the text "<unk>" was three
+    words to sacreBLEU (a longer hypothesis, n-grams that never match), and XLM-R's decoding dropped it."""
+    codec = SpacyCodec.build(TEXT, "de", min_freq=2)
+    ids = codec.encode(["Ein Mann mit Hut wartet."])[0]
+    assert ids.count(codec.unk_id) == 3  # mit, Hut, wartet
+    text = codec.decode(ids)
+    assert text == f"Ein Mann {UNK_TEXT} {UNK_TEXT} {UNK_TEXT}." and bleu_words(text) == 6
+    assert bleu_words(f"Ein Mann <unk> {UNK_TEXT} {UNK_TEXT}.") == 8  # what "<unk>" did
+    (hf,) = {*build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])}
+    dog, garden = hf.encode(["ein Hund"])[0], hf.encode(["im Garten"])[0]
+    assert hf.decode([*dog, hf.unk_id, hf.unk_id, *garden, hf.eos_id, *dog]) == f"ein Hund {UNK_TEXT} {UNK_TEXT} im Garten"
+    assert hf.decode([hf.unk_id, *garden]) == f"{UNK_TEXT} im Garten" and hf.decode([hf.eos_id]) == ""
+    trimmed = TrimmedCodec(codec, [i for i in range(len(codec)) if codec.itos[i] != "Mann"])  # "Mann" dropped
+    assert trimmed.decode(trimmed.encode(["Ein Mann"])[0]) == f"Ein {UNK_TEXT}"
 
 
 def test_training_lines_hold_one_string_per_distinct_token():

@@ -18,6 +18,7 @@ from src.checkpoint import load_checkpoint
 from src.environment import REPO, git_state
 from src.memory import MemoryStrategy
 from src.run import train
+from src.tokenizers import UNK_TEXT
 from src.trainer import Trainer, inverse_sqrt_schedule
 from train import scores
 
@@ -68,6 +69,7 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     # translate.py with the best checkpoint reproduces the run's test translations
     hyps = (run / "test.hyp.txt").read_text().splitlines()
     assert translate_test_set(cfg, tmp_path) == hyps
+    assert summary["test_unk_words"] == sum(h.split().count(UNK_TEXT) for h in hyps)
     # and so does the run directory (its best.pt) with the sentences piped in
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO((tmp_path / "test.de").read_bytes())))
     capsys.readouterr()
