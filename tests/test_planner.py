@@ -168,6 +168,18 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
 
 
+def test_a_budget_holds_estimates_up_to_its_margins():
+    """memory.budget_gb holds an estimate plus 10% for the allocator and 0.5 GB of CUDA context (plan.overhead,
+    plan.context_gb): ``usable_bytes`` is ``Estimate.required_gb`` turned around."""
+    from src import planner
+
+    usable = planner.usable_bytes(12)
+    assert usable == pytest.approx(11.5 * 2**30 / 1.1)
+    fits = planner.Estimate(int(usable), {}, 0, 0, 0, StepShape(1, 1, 1), 0.0)
+    assert fits.required_gb() == pytest.approx(12, rel=1e-9)
+    assert planner.usable_bytes(12, overhead=0.0, context_gb=0.0) == 12 * 2**30
+
+
 def test_plan_py_gives_memory_auto_the_budget_a_run_on_that_device_gives_it(monkeypatch):
     """plan.py memory=auto plans with the budget a run on plan.device would use: less the CUDA context on a GPU,
     the whole budget on the CPU (it subtracted the context there too, and could predict another choice)."""
@@ -435,6 +447,34 @@ def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_
     assert "Tried to allocate" in backed_off["oom_backoffs"][0]["error"]
     rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 3, "oom_backoffs": 1, "accum_steps": 2} in rows
+
+
+def test_oom_back_off_in_a_later_micro_batch_redoes_the_step_without_its_gradients(tmp_path, shared_cache,
+                                                                                    monkeypatch):
+    """Out of memory in a step's second micro-batch, after the first one's backward left its gradients: the
+    step is redone from no gradients in four micro-batches, so the run trains as one without the error (its losses
+    and test translations; accumulation's rounding apart). Without dropout, which draws per micro-batch, and at
+    the full learning rate from step 1 (in warmup's first steps the rate hides a gradient counted twice)."""
+    from src.trainer import LossModule
+
+    settings = [*FAST, "memory=accum", "memory.accum_steps=2", "model.dropout=0", "optim.warmup_steps=1"]
+    runs = [compose_config(*settings, run_dir=tmp_path / name, cache_dir=shared_cache) for name in ("plain", "oom")]
+    plain = train(runs[0])
+    forward, calls = LossModule.forward, []
+
+    def out_of_memory_in_step_2s_second_micro_batch(self, *args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.91 GiB")
+        return forward(self, *args)
+
+    monkeypatch.setattr(LossModule, "forward", out_of_memory_in_step_2s_second_micro_batch)
+    backed_off = train(runs[1])
+    assert [(b["step"], b["accum_steps"]) for b in backed_off["oom_backoffs"]] == [(2, 4)]
+    losses = [[r["loss"] for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
+              for cfg in runs]
+    assert len(losses[0]) == 4 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert backed_off["valid_bleu"] == plain["valid_bleu"] and backed_off["test_bleu"] == plain["test_bleu"]
 
 
 def test_oom_back_off_gives_up_with_a_snapshot(fast_cfg):

@@ -78,6 +78,22 @@ def test_an_unknown_word_is_one_word_of_the_scored_text_in_both_tokenizers(xlmr_
     assert trimmed.decode(trimmed.encode(["Ein Mann"])[0]) == f"Ein {UNK_TEXT}"
 
 
+def test_scores_are_sacrebleus_corpus_scores_with_the_hypotheses_first():
+    """BLEU and chrF as sacreBLEU's own functions give them, hypotheses first (on sentences where the swapped
+    order scores otherwise: shorter hypotheses pay the brevity penalty, longer ones lower precisions)."""
+    import sacrebleu
+
+    from src.evaluate import score
+
+    hyps = ["the dog runs in the park", "a man sings"]
+    refs = ["the black dog runs fast in the big park today", "a man sings a song"]
+    got = score(hyps, refs)
+    assert got["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert got["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)
+    swapped = score(refs, hyps)
+    assert got["bleu"] != swapped["bleu"] and got["chrf"] != swapped["chrf"]
+
+
 def test_training_lines_hold_one_string_per_distinct_token():
     """The vocabulary is learned from lines held as shared token strings and space flags, not a (str, bool) pair
     per token: the same word in two lines is the same object, and the spaces are those of the text."""

@@ -143,6 +143,23 @@ def test_fp16_uses_a_grad_scaler_and_counts_skipped_steps(world):
     assert trainer.scheduler.last_epoch == 0  # the schedule counts the updates taken
 
 
+def test_a_non_finite_step_takes_no_update_and_does_not_advance_the_schedule():
+    """A NaN loss in fp32 (trainer.on_nonfinite=skip goes on after it): no parameter moves, Adam makes no state,
+    and the schedule counts only the updates taken, so the next step trains at the rate of the first."""
+    split = make_split()
+    model, trainer = model_and_trainer(MemoryStrategy(), adam=True, lr=1e-3)
+    before = copy.deepcopy(model.state_dict())
+    trainer.inject_nonfinite = True
+    stats = trainer.step(micro_batches(split, 1))
+    assert stats.nonfinite and not stats.skipped
+    assert trainer.scheduler.last_epoch == 0 and not trainer.optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    lr = trainer.lr
+    stats = trainer.step(micro_batches(split, 1))
+    assert not stats.nonfinite and stats.lr == lr and trainer.scheduler.last_epoch == 1
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_fp16_out_of_memory_in_the_optimizer_step_can_be_redone():
     """Out of memory after the GradScaler unscaled the gradients (clipping, Adam's first step making its state):
     the redone step takes the update a step without the error takes. It raised the scaler's RuntimeError
