@@ -16,7 +16,8 @@ backward; CUDA runs it in a fused kernel (flash or memory-efficient attention) t
 and log-sum-exp, and draws the dropout again from its seed in backward. Planned for ``device="cuda"``, attention
 runs without dropout, in the CPU's fused kernel, which keeps the same. On CUDA, ``max_memory_allocated``
 also counts the allocator's rounding of each block (512 bytes) and cuBLAS workspaces, and the process needs a
-CUDA context (300-600 MiB outside the allocator): ``fits`` adds a margin for both.
+CUDA context (300-600 MiB outside the allocator): ``Estimate.required_gb`` (and ``usable_bytes``) add a margin
+for both.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def fsdp_peak(out: Path, world) -> None:
 
 
 def main_first(out: Path, world) -> None:
-    """A corpus prepared as src/run.py prepares it under torchrun, into an empty cache (OUT_DIR/cache): whether
+    """A corpus prepared as src/data/prepare.py prepares it under torchrun, into an empty cache (OUT_DIR/cache): whether
     each rank tokenized it or loaded it."""
     from omegaconf import OmegaConf
 
