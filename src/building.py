@@ -17,7 +17,13 @@ def build_model(model: dict, encoded: EncodedCorpus) -> Transformer:
     src, tgt = encoded.src_codec, encoded.tgt_codec
     if (src.pad_id, src.eos_id) != (tgt.pad_id, tgt.eos_id):  # batches end and pad sources with the target's ids
         raise ConfigError("source and target tokenizers must share the padding and end-of-sentence ids")
-    return Transformer(model_args(model, len(src), len(tgt), src is tgt, tgt.pad_id))
+    return Transformer(encoded_model_args(model, encoded))
+
+
+def encoded_model_args(model: dict, encoded: EncodedCorpus) -> ModelArgs:
+    """The model group's settings for the encoded corpus's vocabularies (one shared, or one per side)."""
+    src, tgt = encoded.src_codec, encoded.tgt_codec
+    return model_args(model, len(src), len(tgt), src is tgt, tgt.pad_id)
 
 
 def count_parameters(model: dict, encoded: EncodedCorpus) -> int:

@@ -345,12 +345,12 @@ class Evaluator:
     multiply the rows): again with half the batch, kept for the rest of the run, down to one sentence. A
     sentence's translation does not depend on its batch (``translate_ids``), its scores only by rounding."""
 
-    def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, trainer: dict,
+    def __init__(self, sets: dict[str, EvalSet], encoded: EncodedCorpus, device: torch.device, tr: dict,
                  label_smoothing: float, strategy: MemoryStrategy, tgt_lang: str):
-        self.sets, self.device, self.tr, self.tgt_lang = sets, device, trainer, tgt_lang
+        self.sets, self.device, self.tr, self.tgt_lang = sets, device, tr, tgt_lang
         self.src_codec, self.tgt_codec = encoded.src_codec, encoded.tgt_codec
         self.label_smoothing, self.strategy = label_smoothing, strategy
-        self.batch_size = trainer["eval_batch_size"]
+        self.batch_size = tr["eval_batch_size"]
         self.decode_s: dict[str, float] = {}  # seconds of the latest decoding of each set
 
     def autocast(self):

@@ -9,10 +9,13 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
 from .state import step_checkpoints
-from .trainer import Trainer
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +97,19 @@ def pass_on_signal(signum: int) -> None:
         previous(signum, None)
 
 
-def resume_setting(trainer: dict, ckpt_dir: Path) -> str | None:
+def resume_setting(tr: dict, ckpt_dir: Path) -> str | None:
     """trainer.resume, or ``auto`` for a requeued job (after a preemption or a time limit), which continues from
     its own newest checkpoint: one that SLURM restarted (SLURM_RESTART_COUNT > 0), whatever trainer.resume it was
     started with (``never`` starts its first attempt over, not every attempt), or, unless trainer.resume says
     otherwise, a submitit job whose run directory already holds checkpoints (a sweep's jobs start in fresh
     directories, so only a requeue finds them)."""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    submitit = trainer.get("resume") is None and os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
+    submitit = tr.get("resume") is None and os.environ.get("SUBMITIT_EXECUTOR") and step_checkpoints(ckpt_dir)
     if restarts or submitit:
         log.info("a requeued job (%s): resuming from its newest checkpoint",
                  f"SLURM_RESTART_COUNT={restarts}" if restarts else "submitit, checkpoints in its run directory")
         return "auto"
-    return trainer.get("resume")
+    return tr.get("resume")
 
 
 def fault_settings(conf: dict, rank: int) -> dict:

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from . import planner
-from .building import model_args
+from .building import encoded_model_args, model_args
 from .data.batching import check_token_budget
 from .data.encode import EncodedCorpus, EncodedSplit
 from .data.prepare import prepare_data
@@ -21,23 +21,27 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
                       device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
     """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
     run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
-    plan = conf.get("plan") or {}
-    context = context_gb({**plan, "device": device.type})  # no CUDA context on the CPU
-    budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context)
-    src, tgt = encoded.src_codec, encoded.tgt_codec
-    args = model_args(conf["model"], len(src), len(tgt), src is tgt, tgt.pad_id)
+    budget = usable_budget(conf, strategy, device.type)
+    args = encoded_model_args(conf["model"], encoded)
     amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
     longest_src, longest_tgt = planner.longest_pair(train_split)
     chosen, est, tried = planner.choose_strategy(
         args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
         conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
-        device="cuda" if device.type == "cuda" else "cpu", world_size=world_size,
+        device=device.type, world_size=world_size,
     )
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
         "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
         "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
     }
+
+
+def usable_budget(conf: dict, strategy: MemoryStrategy, device: str) -> float:
+    """The bytes memory=auto's step may take on ``device`` (cuda or cpu): memory.budget_gb less plan.overhead and,
+    on a GPU, the CUDA context (plan.context_gb)."""
+    plan = conf.get("plan") or {}
+    return planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context_gb({**plan, "device": device}))
 
 
 def context_gb(plan: dict) -> float:
@@ -75,7 +79,8 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
             check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab, 1)
+    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab,
+                      pad_id=1)  # any id: the estimate does not depend on it
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
@@ -83,7 +88,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     if world_size > 1:
         info["world_size"] = world_size
     if strategy.auto:
-        budget = planner.usable_bytes(strategy.budget_gb, plan.get("overhead", 0.10), context_gb(plan))
+        budget = usable_budget(conf, strategy, device)
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
                                                                device, world_size, configured)

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from .building import build_model, build_optimizer, seed_everything
-from .checkpoint import averaged_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import averaged_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, micro_batches, pair_sizes, split_batch
 from .data.prepare import prepare_data
 from .distributed import (
@@ -334,12 +334,11 @@ class TrainingRun:
         """The training batches' settings, the evaluation sets and their evaluator; what the run trains, in
         ``info`` and the log."""
         tr, strategy, info = self.tr, self.strategy, self.info
-        self.batch_size, self.max_tokens = self.data["batch_size"], strategy.max_tokens
-        batch_size, max_tokens = self.batch_size, self.max_tokens
+        self.batch_size, self.max_tokens = batch_size, max_tokens = self.data["batch_size"], strategy.max_tokens
         self.sizes = pair_sizes(self.train_split)
         self.overfit = overfit = tr.get("overfit_batches")
         self.tgt_sizes = [len(t) + 1 for t in self.train_split.tgt]  # target tokens of each pair, its </s> included
-        self.batches_per_epoch = len(self.steps(0))
+        self.steps_per_epoch = len(self.steps(0))  # optimizer steps (under torchrun, each takes a batch per rank)
         overfit_pairs = [i for b in self.batches(0) for i in b] if overfit else None
         self.eval_sets = evaluation_sets(self.corpus, self.encoded, tr.get("limit_eval"),
                                          (self.train_split, overfit_pairs) if overfit else None)
@@ -349,7 +348,7 @@ class TrainingRun:
             parameters=self.model.num_parameters(),
             batch_size=None if max_tokens else batch_size,
             max_tokens=max_tokens,
-            batches_per_epoch=self.batches_per_epoch,
+            batches_per_epoch=self.steps_per_epoch,
             accum_steps=strategy.accum_steps,
             micro_batch_size=None if max_tokens else -(-batch_size // strategy.accum_steps),
             amp=strategy.amp,
@@ -382,7 +381,8 @@ class TrainingRun:
         self.plain: Transformer | None = None
 
     def _read_settings(self) -> None:
-        """The trainer's settings the loop reads: when it stops, what it checkpoints, what a non-finite step does."""
+        """The trainer's settings the loop reads: when it stops, what it checkpoints, what a non-finite step does
+        (``fit`` reads the logging, validation and profiling intervals from ``tr`` itself)."""
         tr = self.tr
         self.max_steps, self.max_epochs = tr.get("max_steps"), tr.get("max_epochs")
         self.ckpt_dir = checkpoint_dir(self.run_dir)
@@ -401,23 +401,23 @@ class TrainingRun:
         check_resumable(path, ckpt, self.model.args.to_dict(), self.conf, self.ckpt_meta["vocab"])
         if path.resolve().parent == ckpt_dir.resolve():  # its own checkpoint (a sweep may fine-tune another run's)
             check_sweep_job(path, ckpt, self.strategy, run_dir=self.run_dir)
-        configured = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
+        configured_optim = [{k: g[k] for k in OPTIM_SETTINGS if k in g} for g in self.optimizer.param_groups]
         peak_lrs = list(self.scheduler.base_lrs)
         load_full_state(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"], self.strategy.fsdp)
         self.scheduler.load_state_dict(ckpt["scheduler"])
-        self._apply_optim_settings(configured, peak_lrs)
+        self._apply_optim_settings(configured_optim, peak_lrs)
         if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
             self.trainer.scaler.load_state_dict(ckpt["scaler"])
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         self.p = p = Progress.from_checkpoint(ckpt)
         # memory.accum_steps as configured now (memory=accum added to fit): the checkpoint's only where an
         # out-of-memory back-off raised it above that (it ran out of memory with fewer)
-        configured = self.strategy.accum_steps
+        configured_accum = self.strategy.accum_steps
         backed_off = p.backoffs[-1]["accum_steps"] if p.backoffs else 0  # the last back-off's: what fit then
-        kept = max(configured, backed_off)
+        kept = max(configured_accum, backed_off)
         if p.accum_steps != kept:
             log.info("accum_steps %d from here (the checkpoint's %d%s)", kept, p.accum_steps,
-                     ", raised by an out-of-memory back-off" if kept == backed_off > configured else "")
+                     ", raised by an out-of-memory back-off" if kept == backed_off > configured_accum else "")
             p.accum_steps = kept
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)
@@ -431,7 +431,7 @@ class TrainingRun:
         later = stale_best(best_path, p.step)
         if world.main and (removed := drop_later_checkpoints(ckpt_dir, p.step)):
             log.warning("removed %s: written after step %d by an attempt that stopped, or unreadable", ", ".join(
-                path.name for path in removed), p.step)
+                stale.name for stale in removed), p.step)
         if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
             fresh = Progress()
@@ -475,7 +475,7 @@ class TrainingRun:
         if self.world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
             save_codecs(self.run_dir / "tokenizer", self.src_codec, self.tgt_codec)
         self.logger.rewind(self.p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
-        max_steps, max_epochs, epoch_steps = self.max_steps, self.max_epochs, self.batches_per_epoch
+        max_steps, max_epochs, epoch_steps = self.max_steps, self.max_epochs, self.steps_per_epoch
         total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * epoch_steps)))  # whichever ends first
         self.bar = tqdm(total=total_steps, initial=self.p.step, disable=not self.tr.get("progress", True),
                         desc=self.strategy.label, dynamic_ncols=True)
@@ -589,32 +589,34 @@ class TrainingRun:
                 # optimizer step) cannot be redone: the others have taken the step; the run stops, not desyncs
                 alone = world.distributed and retries > 0 and not isinstance(e, AgreedOutOfMemoryError)
                 if attempt == retries or largest == 1 or alone:
-                    rank = f"_rank{world.rank}" if world.distributed else ""
-                    snapshot = peak.snapshot(self.run_dir / f"oom_snapshot{rank}")
-                    if alone:
-                        where = (f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can "
-                                 "redo the step then)")
-                    elif world.distributed and self.strategy.fsdp:
-                        where = (f"on rank {world.rank}: memory=fsdp takes no back-off (memory.oom_retries); raise "
-                                 "memory.accum_steps, or plan one with memory=[fsdp,auto]")
-                    elif world.distributed and retries == 0:
-                        setting = ("memory.oom_retries=0" if self.strategy.oom_retries == 0
-                                   else "memory.oom_retries is not set: none by default there")
-                        where = (f"on rank {world.rank} without back-off under torchrun ({setting}; "
-                                 "memory.oom_retries=3 has every rank redo the step with twice the accumulation)")
-                    else:
-                        where = f"after {len(p.backoffs)} back-off(s)"
-                    raise torch.OutOfMemoryError(
-                        f"out of memory at step {step} with micro-batches of up to {largest} pairs "
-                        f"(accum_steps {p.accum_steps}) {where}: {reason}"
-                        + (f"; memory snapshot: {snapshot}" if snapshot else "")
-                    ) from None
+                    raise self._final_oom(step, largest, reason, alone, retries) from None
                 p.accum_steps = min(p.accum_steps * 2, max(len(b) for b in group))
                 p.backoffs.append({"step": step, "accum_steps": p.accum_steps, "error": reason})
                 peak.record_history()  # until the step is redone: a final failure comes with a useful snapshot
                 log.warning("out of memory at step %d: %s; redoing it with accum_steps %d", step, reason, p.accum_steps)
                 self.logger.log({"oom_backoffs": len(p.backoffs), "accum_steps": p.accum_steps}, step)
         raise AssertionError("unreachable")
+
+    def _final_oom(self, step: int, largest: int, reason: str, alone: bool, retries: int) -> torch.OutOfMemoryError:
+        """The error a step that cannot be redone ends the run with: why it cannot, and a memory snapshot."""
+        p, world = self.p, self.world
+        rank = f"_rank{world.rank}" if world.distributed else ""
+        snapshot = self.peak.snapshot(self.run_dir / f"oom_snapshot{rank}")
+        if alone:
+            where = f"on rank {world.rank} alone, after the ranks averaged their gradients (no rank can redo the step then)"
+        elif world.distributed and self.strategy.fsdp:
+            where = (f"on rank {world.rank}: memory=fsdp takes no back-off (memory.oom_retries); raise "
+                     "memory.accum_steps, or plan one with memory=[fsdp,auto]")
+        elif world.distributed and retries == 0:
+            setting = ("memory.oom_retries=0" if self.strategy.oom_retries == 0
+                       else "memory.oom_retries is not set: none by default there")
+            where = (f"on rank {world.rank} without back-off under torchrun ({setting}; "
+                     "memory.oom_retries=3 has every rank redo the step with twice the accumulation)")
+        else:
+            where = f"after {len(p.backoffs)} back-off(s)"
+        return torch.OutOfMemoryError(
+            f"out of memory at step {step} with micro-batches of up to {largest} pairs (accum_steps {p.accum_steps}) "
+            f"{where}: {reason}" + (f"; memory snapshot: {snapshot}" if snapshot else ""))
 
     def check_finite(self, stats, step: int) -> None:
         """After optimizer step ``step`` (not yet counted): a non-finite one stops the run, which has then taken
@@ -717,15 +719,14 @@ class TrainingRun:
         # memory=fsdp: the copy evaluations use (made here where none ran in this process: a run resumed at its end)
         tested = self.evaluation_model()
         if average_last:
-            newest = [path for _, path in step_checkpoints(self.ckpt_dir)[:average_last]][::-1]
-            if len(newest) < average_last:
+            paths = [path for _, path in step_checkpoints(self.ckpt_dir)[:average_last]][::-1]
+            if len(paths) < average_last:
                 log.warning("trainer.average_last=%d: the run wrote %d step checkpoints; testing their average",
-                            average_last, len(newest))
-            tested.load_state_dict(averaged_checkpoint(newest, torch.device("cpu"))["model"])
-            info["test_checkpoints"] = [path.name for path in newest]
+                            average_last, len(paths))
         else:
-            tested.load_state_dict(load_checkpoint(best_path)["model"])
-            info["test_checkpoints"] = [best_path.name]
+            paths = [best_path]
+        tested.load_state_dict(averaged_checkpoint(paths, torch.device("cpu"))["model"])
+        info["test_checkpoints"] = [path.name for path in paths]
         test_scores, test_hyps = self.evaluator.translate(tested, "test")
         write_text(self.run_dir / "test.hyp.txt", "\n".join(test_hyps) + "\n")
         tested_by = (f"average of {', '.join(info['test_checkpoints'])}" if average_last
@@ -750,7 +751,7 @@ class TrainingRun:
         return {
             "strategy": self.strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
             "steps": p.step,
-            "epochs": round(p.step / self.batches_per_epoch, 3),
+            "epochs": round(p.step / self.steps_per_epoch, 3),
             "src_tokens": window.total_src_tokens,
             "tgt_tokens": window.total_tgt_tokens,
             "train_s": round(window.total_seconds, 2),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..building import count_parameters
 from ..distributed import World
 from ..errors import ConfigError, DataError
 from ..memory import MemoryStrategy
@@ -40,7 +39,7 @@ def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus
 
 
 def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, strategy: MemoryStrategy,
-                    trainer: dict) -> None:
+                    tr: dict) -> None:
     """Refuse a pair longer than model.max_positions (with its special token), naming its file and line: one stray
     line of 100,000 words made a step that exhausted the host's memory, and the kernel killed the run without a
     word. The training split is measured as truncation leaves it (memory.max_src_len / max_tgt_len), the held-out
@@ -55,10 +54,10 @@ def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, s
                               f"token; set at most {limit - 1}, or raise model.max_positions")
     for name, split in encoded.splits.items():
         held_out = name != "train"
-        if held_out and trainer.get("overfit_batches"):
+        if held_out and tr.get("overfit_batches"):
             continue  # evaluated on training batches
         cut = {"src": None, "tgt": None} if held_out else caps
-        evaluated = trainer.get("limit_eval") if held_out else None
+        evaluated = tr.get("limit_eval") if held_out else None
         src_lens, tgt_lens = [], []
         for side, ids, lens in (("src", split.src, src_lens), ("tgt", split.tgt, tgt_lens)):
             counts = getattr(ids, "lengths", None) or [len(x) for x in ids]  # PackedSequences keeps them
@@ -97,6 +96,8 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         if not len(train_split):
             raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
     if strategy.trim_vocab:  # after truncation: the pieces of the pairs trained on, as they are trained on
+        from ..building import count_parameters  # (the model's modules: only here)
+
         full = encoded
         encoded = trim_vocabulary(encoded, train_split)
         train_split = encoded.splits["train"]
