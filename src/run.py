@@ -524,6 +524,9 @@ class TrainingRun:
                     stats = self.train_step(indices, real, group)
                     self.window.add(stats, p.epoch)
                     self.check_finite(stats, p.step + 1)
+                    # not alive during the next step: its device scalars would be in that step's peak, but not
+                    # in a restarted process's first step (a resumed run's peaks must be the run's)
+                    del stats
                     p.step += 1
                     p.batches_done += len(group)
                     p.trained += [i for b in group for i in b]

@@ -69,6 +69,24 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
         assert summary[key] == first[key], key
 
 
+def test_a_resumed_runs_memory_peaks_are_the_uninterrupted_runs_to_the_byte(tmp_path, shared_cache):
+    """Stopped by SIGTERM after step 8 and resumed, the run's peak falls on step 9, the first after the restart:
+    its bytes, as the last checkpoint carries them, are those of the run never stopped. The step before's
+    statistics (three device scalars) were still alive while the next step ran, except in a restarted process's
+    first step, which counted 12 bytes less."""
+    from src.faults import Interrupted
+
+    common = [*FAST, "trainer.max_steps=10", "trainer.eval_every=4", "trainer.log_every=1", "trainer.save_every=2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(compose_config(*common, run_dir=straight, cache_dir=shared_cache))
+    with pytest.raises(Interrupted):
+        train(compose_config(*common, "fault.kind=sigterm", "fault.at_step=8", run_dir=stopped, cache_dir=shared_cache))
+    train(compose_config(*common, "trainer.resume=auto", run_dir=stopped, cache_dir=shared_cache))
+    memory = [load_checkpoint(run / "checkpoints" / "step_00000010.pt")["progress"]["memory"] for run in (straight,
+                                                                                                         stopped)]
+    assert memory[1]["run_peak"] == memory[0]["run_peak"] and memory[1] == memory[0]
+
+
 def test_a_failed_attempts_summary_gives_way_to_the_next_attempts(fast_cfg):
     """Only an earlier run worth keeping (checkpoints, a completed summary) is left alone by an attempt refused
     before it starts; an earlier failed attempt's summary is replaced by the new one's error."""
