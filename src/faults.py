@@ -11,13 +11,23 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from .errors import ConfigError, check_int
 from .state import step_checkpoints
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+def check_fault(fault: dict) -> None:
+    """The fault group's settings, each mistake one line naming its key (``settings.check_settings``)."""
+    kind, kinds = fault.get("kind"), Fault.KINDS
+    if kind is not None and kind not in kinds:
+        raise ConfigError(f"fault.kind={kind}: expected null, {', '.join(kinds[:-1])} or {kinds[-1]}")
+    check_int("fault.at_step", fault.get("at_step", 1), 1)
+    check_int("fault.times", fault.get("times", 1), 0)
+    check_int("fault.rank", fault.get("rank"), 0, nullable=True)
+
 
 class Fault:
     """``fault.kind`` raised at optimizer step ``fault.at_step``: how tests (and a curious user) check that a
@@ -26,9 +36,7 @@ class Fault:
     KINDS = ("oom", "oom_update", "error", "nan_loss", "sigterm", "sigusr2", "kill")
     SIGNALS = {"sigterm": signal.SIGTERM, "sigusr2": signal.SIGUSR2, "kill": signal.SIGKILL}
 
-    def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):
-        if kind is not None and kind not in self.KINDS:
-            raise ConfigError(f"fault.kind={kind}: expected null, {', '.join(self.KINDS[:-1])} or {self.KINDS[-1]}")
+    def __init__(self, kind: str | None = None, at_step: int = 1, times: int = 1):  # (checked by check_fault)
         self.kind, self.at_step, self.times = kind, at_step, times
 
     def maybe_raise(self, step: int, trainer: Trainer | None = None) -> None:

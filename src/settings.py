@@ -12,6 +12,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from . import planner
 from .data.corpus import check_data
 from .errors import ConfigError, check_int, check_number
+from .faults import check_fault
 from .tokenizers import check_tokenizer
 
 
@@ -135,10 +136,7 @@ def check_settings(conf: dict) -> None:
     check_data(conf["data"])
     check_tokenizer(conf["tokenizer"])
     check_int("data.batch_size", conf["data"].get("batch_size"), 1)
-    fault = conf.get("fault") or {}
-    check_int("fault.at_step", fault.get("at_step", 1), 1)
-    check_int("fault.times", fault.get("times", 1), 0)
-    check_int("fault.rank", fault.get("rank"), 0, nullable=True)
+    check_fault(conf.get("fault") or {})
     seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
         raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**63 - 1")
