@@ -5,7 +5,8 @@ Hydra reports a mistyped key or option over several lines and suggests appending
 of the wrong type (``trainer.max_steps=abc``) it accepts, and the run fails later. Here the overrides are composed
 first: a key that does not exist gets the closest existing one, an option that does not exist gets the list, and
 every value is checked against the type of the value it replaces (the defaults are the schema: an integer stays an
-integer, a number a number, a flag true or false; null defaults accept anything).
+integer, a number a number, a flag true or false; null defaults accept anything). A key added with ``+`` that no
+option of its group has is refused too (nothing reads it), but for the keys of ``OPEN_KEYS``.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def check_overrides(overrides: list[str]) -> None:
     composes; then every value is checked."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    problems, overrides = [], list(overrides)
+    problems = [p for p in map(_group_problem, overrides) if p]
+    overrides = [o for o in overrides if not _group_problem(o)]
     while True:
         try:
             cfg = _compose(overrides)
@@ -165,6 +167,8 @@ def check_overrides(overrides: list[str]) -> None:
             if not wrong:
                 raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
             problems.append(_unknown_key(wrong, overrides))
+        except (ValueError, TypeError) as e:  # what Hydra's defaults list raises on input it does not expect
+            raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
         rest = [o for o in overrides if not _sets(o, wrong)]
         if len(rest) == len(overrides):  # nothing to leave out: what is known so far
             raise ConfigError("\n".join(problems))
@@ -177,6 +181,9 @@ def check_overrides(overrides: list[str]) -> None:
     given = OmegaConf.to_container(cfg, resolve=False)
     for override in overrides:
         if _group_choice(override):
+            continue
+        if override.startswith("+") and (unread := _unread_key(override, defaults, groups)):
+            problems.append(unread)
             continue
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
@@ -192,6 +199,43 @@ def check_overrides(overrides: list[str]) -> None:
             problems.append(str(e))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _group_problem(override: str) -> str | None:
+    """A group's option given as Hydra does not take it: ``memory=null``, ``experiment=null`` or
+    ``memory=[amp,null]`` (Hydra's traceback: "Config group override must be a string or a list. Got NoneType"),
+    ``+memory=amp`` (Hydra's "To override a value use 'override memory: amp'": every group is in the defaults)."""
+    key, _, value = override.partition("=")
+    group = key.lstrip("+")
+    if not value or "." in group or not (CONF / group).is_dir():
+        return None
+    options = ", ".join(sorted(f.stem for f in (CONF / group).glob("*.yaml")))
+    if key != group:
+        return f"{override}: {group} is chosen without +: {group}={value}"
+    if "null" in [v.strip() for v in value.strip("[]").split(",")]:
+        default = "no preset" if group in PRESETS else "its default"
+        return f"{override}: a group takes its options ({group} is one of {options}); leave {group} out for {default}"
+    return None
+
+
+# mappings whose keys are the user's to name: a spaCy pipeline per language (+tokenizer.models.de=de_core_news_sm)
+OPEN_KEYS = ("tokenizer.models",)
+
+
+def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
+    """A key added with ``+`` (or ``++``) that no option of its group has: nothing would read it, and the run went
+    on without it (``+trainer.foo=1``), or failed after the corpus was read (``+model.dmodel=5``)."""
+    key = override.split("=")[0].lstrip("+")
+    if key.split(".")[0] == "hydra" or any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):
+        return None
+    parts = key.split(".")
+    for depth in range(1, len(parts) + 1):  # the first part of the key that the config does not have
+        if _get(schema, ".".join(parts[:depth])) is _MISSING:
+            missing = ".".join(parts[:depth])
+            break
+    else:
+        return None
+    return f"{override}: nothing reads {missing}{_key_hint(missing, groups)}"
 
 
 def _sets(override: str, key: str) -> bool:
@@ -210,8 +254,13 @@ def _group_choice(override: str) -> bool:
 
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
-    """The message for a key the config does not have, with the closest key beside it. The keys beside it are
-    those of the options chosen (``data=multi30k``): the other overrides may hold more unknown keys."""
+    """The message for a key the config does not have, with the closest key beside it."""
+    return f"{key}: no such key{_key_hint(key, overrides)}"
+
+
+def _key_hint(key: str, overrides: list[str]) -> str:
+    """The closest key beside ``key``, or the keys there are. The keys beside it are those of the options chosen
+    (``data=multi30k``): the other overrides may hold more unknown keys."""
     from hydra.errors import HydraException
 
     parent, _, leaf = key.rpartition(".")
@@ -222,9 +271,8 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
     node = _get(tree, parent) if parent else {k: v for k, v in tree.items() if k != "hydra"}
     siblings = list(node) if isinstance(node, dict) else []
     close = difflib.get_close_matches(leaf, siblings, n=1)
-    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
+    return f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
         f"; {parent} has {', '.join(siblings)}" if siblings and parent else "")
-    return f"{key}: no such key{hint} (a new key is added with +{key}=...)"
 
 
 _MISSING = object()

@@ -119,12 +119,25 @@ def check_plan(plan: dict) -> None:
 def resolve_config(cfg: DictConfig) -> dict:
     """The config as plain data, every interpolation resolved; a required key left unset or an interpolation that
     does not resolve is one line."""
+    if missing := sorted(OmegaConf.missing_keys(cfg), key=lambda key: _position(cfg, key)):  # all at once
+        raise ConfigError("\n".join(f"{key} is required: add {key}=... to the command line" for key in missing))
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
+    except MissingMandatoryValue as e:  # (an interpolation of a required key)
         raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+def _position(cfg: DictConfig, key: str) -> list[int]:
+    """Where a dotted key is in the config, to list keys as the config file does (data=files: its languages, then
+    its train, valid and test prefixes)."""
+    position, node = [], cfg
+    for part in key.split("."):
+        keys = list(node.keys()) if isinstance(node, DictConfig) else []
+        position.append(keys.index(part) if part in keys else len(keys))
+        node = node[part] if part in keys and not OmegaConf.is_missing(node, part) else None  # (a parent: a dict)
+    return position
 
 
 def check_settings(conf: dict) -> None:
