@@ -164,9 +164,16 @@ def check_overrides(overrides: list[str]) -> None:
             wrong = group
         except ConfigCompositionException as e:
             wrong = getattr(e.__cause__, "full_key", None)
-            if not wrong:
+            deleted = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
+            if deleted:  # Hydra takes a key whose value is null for one that does not exist
+                wrong = deleted.group(1)
+                null = _get(_defaults(tuple(o for o in overrides if _group_choice(o))), wrong) is None
+                problems.append(f"~{wrong}: {wrong} is null already; nothing to delete" if null
+                                else _unknown_key(wrong, overrides))
+            elif not wrong:
                 raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
-            problems.append(_unknown_key(wrong, overrides))
+            else:
+                problems.append(_unknown_key(wrong, overrides))
         except (ValueError, TypeError) as e:  # what Hydra's defaults list raises on input it does not expect
             raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
         rest = [o for o in overrides if not _sets(o, wrong)]
