@@ -35,11 +35,14 @@ def check_command_line(argv: list[str]) -> None:
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     problems: list[str] = [*_output_dir_problems(overrides, multirun)]
-    for job in sweep_jobs(overrides, multirun):
+    jobs = sweep_jobs(overrides, multirun)
+    for job in jobs:
         try:
-            check_overrides(job)
+            check_overrides(job, unread=len(jobs) == 1)
         except ConfigError as e:
             problems += [p for p in str(e).splitlines() if p not in problems]
+    if len(jobs) > 1:
+        problems += _unread_by_every_job(jobs)
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -141,10 +144,11 @@ def _defaults(choices: tuple[str, ...]) -> dict:
     return OmegaConf.to_container(_compose(list(choices)), resolve=False)
 
 
-def check_overrides(overrides: list[str]) -> None:
+def check_overrides(overrides: list[str], unread: bool = True) -> None:
     """Raise ``ConfigError`` with a line for each problem in one job's overrides. A key or option that does not
     exist is left out of the next compose, with the keys under it (checked once it is fixed), until the rest
-    composes; then every value is checked."""
+    composes; then every value is checked. ``unread``: a key added with + that nothing reads is a problem (a
+    sweep's job leaves that to ``_unread_by_every_job``)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
     problems = [p for p in map(_group_problem, overrides) if p]
@@ -189,8 +193,8 @@ def check_overrides(overrides: list[str]) -> None:
     for override in overrides:
         if _group_choice(override):
             continue
-        if override.startswith("+") and (unread := _unread_key(override, defaults, groups)):
-            problems.append(unread)
+        if unread and override.startswith("+") and (not_read := _unread_key(override, defaults, groups)):
+            problems.append(not_read)
             continue
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
@@ -233,8 +237,8 @@ def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
     """A key added with ``+`` (or ``++``) that no option of its group has: nothing would read it, and the run went
     on without it (``+trainer.foo=1``), or failed after the corpus was read (``+model.dmodel=5``)."""
     key = override.split("=")[0].lstrip("+")
-    if key.split(".")[0] == "hydra" or any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):
-        return None
+    if key.split(".")[0] == "hydra" or "@" in key or any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):
+        return None  # Hydra's own, a group placed in another package (+model@teacher=base), a mapping's own keys
     parts = key.split(".")
     for depth in range(1, len(parts) + 1):  # the first part of the key that the config does not have
         if _get(schema, ".".join(parts[:depth])) is _MISSING:
@@ -243,6 +247,24 @@ def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
     else:
         return None
     return f"{override}: nothing reads {missing}{_key_hint(missing, groups)}"
+
+
+def _unread_by_every_job(jobs: list[list[str]]) -> list[str]:
+    """The keys added with + that no job of a sweep reads: ``-m tokenizer=spacy,xlmr ++tokenizer.min_freq=1`` sets
+    the spaCy job's key, which the XLM-R job has not (and Hydra lets no job add otherwise)."""
+    from hydra.errors import HydraException
+
+    found: dict[str, list[str | None]] = {}
+    for job in jobs:
+        groups = [o for o in job if _group_choice(o)]
+        try:
+            schema = _defaults(tuple(groups))
+        except HydraException:  # reported by the job's own check
+            continue
+        for override in job:
+            if override.startswith("+"):
+                found.setdefault(override.split("=")[0], []).append(_unread_key(override, schema, groups))
+    return [found_in[0] for found_in in found.values() if len(found_in) == len(jobs) and all(found_in)]
 
 
 def _sets(override: str, key: str) -> bool:

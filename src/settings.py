@@ -119,9 +119,9 @@ def check_plan(plan: dict) -> None:
 def resolve_config(cfg: DictConfig) -> dict:
     """The config as plain data, every interpolation resolved; a required key left unset or an interpolation that
     does not resolve is one line."""
-    if missing := sorted(OmegaConf.missing_keys(cfg), key=lambda key: _position(cfg, key)):  # all at once
-        raise ConfigError("\n".join(f"{key} is required: add {key}=... to the command line" for key in missing))
     try:
+        if missing := sorted(OmegaConf.missing_keys(cfg), key=lambda key: _position(cfg, key)):  # all at once
+            raise ConfigError("\n".join(f"{key} is required: add {key}=... to the command line" for key in missing))
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:  # (an interpolation of a required key)
         raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None

@@ -167,6 +167,27 @@ def test_a_glob_sweep_over_a_groups_options_is_checked_job_by_job():
         check_command_line(["-m", "memory=glob(*,exclude=[fsdp,auto])", "trainer.max_steps=abc"])
 
 
+def test_a_key_added_with_plus_is_refused_only_where_no_job_reads_it():
+    """A sweep whose jobs choose other options may add a key that some of them read (Hydra lets no job add it
+    otherwise); a key no job reads is refused once, for the sweep."""
+    check_command_line(["-m", "tokenizer=spacy,xlmr", "++tokenizer.min_freq=1"])
+    check_command_line(["-m", "data=synthetic,multi30k", "++data.long_fraction=0.1"])
+    for argv in (["++data.long_fraction=0.1", "data=multi30k"], ["-m", "memory=none,amp", "+trainer.foo=1"]):
+        with pytest.raises(ConfigError) as e:
+            check_command_line(argv)
+        assert str(e.value).count("nothing reads") == 1 and "\n" not in str(e.value), argv
+    check_command_line(["+model@teacher=base"])  # a group in another package: Hydra's to read
+
+
+def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch):
+    """Listing every missing key resolves interpolations on the way: one that does not resolve stays one line."""
+    from src.settings import resolve_config
+
+    monkeypatch.delenv("NOPE_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=r"^data.seed: .*Environment variable 'NOPE_UNSET' not found"):
+        resolve_config(compose_config("data.seed=${oc.env:NOPE_UNSET}"))
+
+
 def test_a_sweeping_preset_run_without_m_says_it_runs_one_job():
     """experiment=memory_sweep without -m ran one job of its eight (Hydra ignores hydra.sweeper.params without
     -m) and said nothing; presets that do not sweep, -m, and commands without a preset get no note."""
