@@ -275,8 +275,9 @@ def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     assert sorted(line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()
                   if line.startswith("| a")) == ["| accum", "| amp"]  # (ranked by peak)
     assert plan.main(["experiment=paper_base"]) == 1
-    assert capsys.readouterr().err.splitlines() == ["error: data.train_prefix is required: add data.train_prefix=... "
-                                                    "to the command line"]
+    assert capsys.readouterr().err.splitlines() == [  # every missing key at once
+        f"error: data.{split}_prefix is required: add data.{split}_prefix=... to the command line"
+        for split in ("train", "valid", "test")]
 
 
 @pytest.mark.parametrize("memory", ["tokens", "auto"])
