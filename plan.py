@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             print_fix(job, gpu, context, est)
     else:
-        print_table(rows)
+        print_table(rows, sweep)
         print_failed(failed, sweep)
     return 0
 
@@ -142,9 +142,10 @@ def print_fix(job: list[str], gpu: float, context: float, configured) -> None:
           "same effective batch")
 
 
-def print_table(rows) -> None:
-    """One row per job, ranked by peak. What the jobs share (the card, the margins, the worst-case lengths, the
-    device planned for) is said once; where a sweep varies it, each row says its own."""
+def print_table(rows, sweep: list[list[str]]) -> None:
+    """One row per job, ranked by peak, numbered as ``train.py -m`` numbers the sweep's jobs. What the jobs share
+    (the card, the margins, the worst-case lengths, the device planned for) is said once; where a sweep varies it,
+    each row says its own."""
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
     # memory=auto's row is checked against the budget it was chosen for (memory.budget_gb), the others against the card
     plans = [{**r[1]["plan"], "gpu_gb": r[2].budget_gb} if r[2].auto else r[1]["plan"] for r in ranked]
@@ -152,11 +153,12 @@ def print_table(rows) -> None:
     lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
     devices = {r[4]["device"] for r in ranked}
     fits = f"fits {plans[0]['gpu_gb']:g} GB" if len(cards) == 1 else "fits plan.gpu_gb"
-    head = ["run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "expected cost"]
+    head = ["job", "run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "expected cost"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
-    for (job, _conf, strategy, est, _info), plan in zip(ranked, plans, strict=True):
+    for row, plan in zip(ranked, plans, strict=True):
+        job, _conf, strategy, est, _info = row
         name = run_name(strategy.label, [o for o in job if o not in shared])
         split = est.split_mb()
         need = est.required_gb(plan["overhead"], context_gb(plan))
@@ -164,7 +166,7 @@ def print_table(rows) -> None:
         batch = f"{s.accum_steps} x {s.pairs} pairs" + (f" of {s.src_len}/{s.tgt_len} positions" if len(lengths) > 1 else "")
         verdict = "yes" if need <= plan["gpu_gb"] else "**no**"
         print("| " + " | ".join([
-            name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
+            str(sweep.index(job)), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
             verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", cost_note(strategy)]) + " |")
     notes = []
     if len(lengths) == 1:

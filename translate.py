@@ -3,7 +3,7 @@
     python translate.py outputs/runs/<date>/<time>/checkpoints/best.pt --input test.de \
         [--reference test.en] [--output hyp.en] [--beam-size 4 --length-penalty 0.6]
     python translate.py outputs/runs/<date>/<time>/checkpoints/step_*.pt --input test.de   # weights averaged
-    echo "Ein Hund läuft." | python translate.py outputs/runs/<date>/<time>     # a run directory: its best.pt
+    echo "Ein Hund läuft." | python translate.py outputs/runs/<date>/<time>     # a run: what it tested with
 
 Reads one sentence per line (plain or .gz; standard input without --input or with --input -); writes one
 translation per line (stdout without --output). It decodes as the run did (beam size, length penalty, length caps
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from src.checkpoint import load_translator
+from src.checkpoint import checkpoint_files, load_translator
 from src.data.corpus import read_lines
 from src.errors import UserError
 from src.evaluate import score, translate
@@ -32,8 +32,8 @@ from src.settings import resolve_device
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="+", help="a checkpoint written by train.py (checkpoints/best.pt or "
-                   "checkpoints/step_<N>.pt; a run directory: its checkpoints/best.pt), or several of one run: "
-                   "their weights are averaged")
+                   "checkpoints/step_<N>.pt; a run directory: what it tested with, best.pt or its last N averaged), "
+                   "or several of one run: their weights are averaged")
     p.add_argument("--input", default="-", help="source sentences, one per line (default, or -: standard input)")
     p.add_argument("--reference", help="reference translations, line for line: prints BLEU and chrF")
     p.add_argument("--output", help="where to write the translations (default, or -: standard output)")
@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         if not to_stdout and Path(args.output).is_dir():  # said now, not after decoding
             raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")
         device = resolve_device(args.device, key="--device ")
-        model, src_codec, tgt_codec, ckpt = load_translator(args.checkpoint, device, args.tokenizer)
+        files = [f for p in args.checkpoint for f in checkpoint_files(Path(p).expanduser().resolve())]
+        model, src_codec, tgt_codec, ckpt = load_translator(files, device, args.tokenizer)
+        print("checkpoints: " + ", ".join(map(str, files)) + (" (weights averaged)" if len(files) > 1 else ""),
+              file=sys.stderr)
         decoding = run_decoding(ckpt, args)
         print("decoding: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in decoding.items()), file=sys.stderr)
         if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for

@@ -3,6 +3,7 @@ checkpoint can never run code when it is loaded."""
 
 from __future__ import annotations
 
+import json
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,8 +41,8 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     from .model import ModelArgs, Transformer
     from .tokenizers import load_codecs
 
-    paths = [checkpoint_file(Path(p).expanduser().resolve())  # (best.pt's run: resolved, whatever the cwd)
-             for p in ([path] if isinstance(path, str | Path) else path)]
+    paths = [file for p in ([path] if isinstance(path, str | Path) else path)
+             for file in checkpoint_files(Path(p).expanduser().resolve())]  # (resolved, whatever the cwd)
     ckpt = averaged_checkpoint(paths, torch.device("cpu"))  # the optimizer's state too: not onto the device
     tokenizer_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else paths[0].parent.parent / "tokenizer"
     if not (tokenizer_dir / "codecs.json").is_file():
@@ -53,6 +54,10 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
         raise UserError(f"{tokenizer_dir}: not the tokenizer of {paths[0]} (" + ", ".join(
             f"{side} vocabulary {here} here, {there} in the checkpoint" for side, (here, there) in sizes.items())
             + "); pass that run's tokenizer directory")
+    vocab = ckpt.get("vocab")  # what the checkpoint's ids stand for (a tokenizer of the same sizes may differ)
+    if vocab and (vocab["src"], vocab["tgt"]) != (src_codec.vocab_digest(), tgt_codec.vocab_digest()):
+        raise UserError(f"{tokenizer_dir}: not the tokenizer of {paths[0]} (the same vocabulary sizes, other "
+                        "entries); pass that run's tokenizer directory")
     args = {"max_positions": None, **args}  # a checkpoint written before the limit was set has none
     model = Transformer(ModelArgs(**args)).to(device)
     model.load_state_dict(ckpt["model"])
@@ -60,13 +65,21 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
     return model, src_codec, tgt_codec, ckpt
 
 
-def checkpoint_file(path: Path) -> Path:
-    """The checkpoint a path names: a file, or the best checkpoint of a run directory (or of its checkpoints/)."""
+def checkpoint_files(path: Path) -> list[Path]:
+    """The checkpoints a path names: a file, or what a run directory (or its checkpoints/) tested with: the
+    checkpoints its summary.json names in ``test_checkpoints`` (the average of the last N with
+    trainer.average_last), else its best checkpoint."""
     if not path.is_dir():
-        return path
-    for best in (path / "checkpoints" / "best.pt", path / "best.pt"):
-        if best.is_file():
-            return best
+        return [path]
+    ckpt_dir = path if (path / "best.pt").is_file() and not (path / "checkpoints").is_dir() else path / "checkpoints"
+    try:
+        tested = json.loads((ckpt_dir.parent / "summary.json").read_text(encoding="utf-8")).get("test_checkpoints")
+    except (OSError, ValueError, AttributeError):
+        tested = None
+    if tested and all((ckpt_dir / name).is_file() for name in tested):
+        return [ckpt_dir / name for name in tested]
+    if (ckpt_dir / "best.pt").is_file():
+        return [ckpt_dir / "best.pt"]
     raise UserError(f"{path}: a directory without checkpoints/best.pt (written at a run's first validation); "
                     "pass a checkpoint file")
 
@@ -114,6 +127,9 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
         ckpt = read_checkpoint(path, device)
         if ckpt["model_args"] != first["model_args"]:
             raise UserError(f"{path}: another model than {first_path} (model_args differ); average checkpoints of one run")
+        if ckpt.get("vocab") != first.get("vocab"):
+            raise UserError(f"{path}: another vocabulary than {first_path} (a run with another tokenizer); average "
+                            "checkpoints of one run")
         for k, v in total.items():
             if v.is_floating_point():
                 v += ckpt["model"][k]

@@ -151,8 +151,8 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
     sweep's job leaves that to ``_unread_by_every_job``)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
 
-    problems = [p for p in map(_group_problem, overrides) if p]
-    overrides = [o for o in overrides if not _group_problem(o)]
+    refused = {o: problem for o in overrides if (problem := _group_problem(o))}
+    problems, overrides = list(refused.values()), [o for o in overrides if o not in refused]
     while True:
         try:
             cfg = _compose(overrides)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def check_fault(fault: dict) -> None:
     """The fault group's settings, each mistake one line naming its key (``settings.check_settings``)."""
     kind, kinds = fault.get("kind"), Fault.KINDS

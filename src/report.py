@@ -340,6 +340,15 @@ def ran_on(jobs: list[Job]) -> str:
     return "Ran on:\n\n" + "".join(f"- job {name}: {text}\n" for name, text in seen.items()) + "\n"
 
 
+def next_step(jobs: list[Job]) -> str:
+    """Where a sweep ran on the CPU: its peaks are those of the batches it trained, not a GPU's worst case."""
+    if not any(str(j.summary.get("device", "")).startswith("cpu") for j in jobs):
+        return ""
+    return ("\nOn the CPU, each peak is the tracked tensor memory of the batches trained. For a GPU, plan the worst-case "
+            "batch of the same overrides with `python plan.py -m <overrides> plan.gpu_gb=<card>`, or train with "
+            "`memory=auto memory.budget_gb=<card>`.\n")
+
+
 def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
                  latest_launch: bool = False) -> tuple[Path, Path, str]:
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
@@ -354,7 +363,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
             f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")
             + ran_on(jobs)
-            + table + "\n![peak memory against throughput, and loss curves](report.png)\n")
+            + table + next_step(jobs) + "\n![peak memory against throughput, and loss curves](report.png)\n")
     md, png = out / "report.md", out / "report.png"
     with atomic_path(md) as tmp:  # first: the table stands should the plot fail
         tmp.write_text(text, encoding="utf-8")

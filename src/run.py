@@ -783,7 +783,10 @@ class TrainingRun:
             **self.figures(),
             "test_bleu": test_scores["bleu"],
             "test_decode_s": self.evaluator.decode_s["test"],  # decoding the test set (batched, key/value cache)
-            "beam_size": self.tr["beam_size"],
+            "beam_size": self.tr["beam_size"],  # what the scores were decoded with (1: greedy), and how long
+            "length_penalty": self.tr["length_penalty"],
+            "max_len_a": self.tr["max_len_a"],
+            "max_len_b": self.tr["max_len_b"],
             "test_chrf": test_scores["chrf"],
             "test_unk_words": test_scores["unk_words"],  # unknown words in test.hyp.txt (tokenizers.UNK_TEXT)
             "sacrebleu_signature": test_scores["bleu_signature"],

@@ -144,8 +144,8 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
             in capsys.readouterr().out)
     # the sweep's table
     assert plan.main(["-m", "memory=none,[amp,checkpoint,chunked_ce]", *common]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
-    assert [r.split(" | ")[0] for r in rows] == ["| amp+checkpoint+chunked_ce", "| none"]  # ranked by peak
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| 1", "amp+checkpoint+chunked_ce"], ["| 0", "none"]]  # by peak
     assert rows[0].split(" | ")[-2] == "yes" and rows[1].split(" | ")[-2] == "**no**"
 
 
@@ -156,15 +156,15 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     tiny = ["model=tiny", "plan.src_len=200", "plan.tgt_len=200", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
     assert plan.main(["-m", "memory=none,truncate", *tiny]) == 0
     out = capsys.readouterr().out
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
-    assert [(r[0], r[1]) for r in rows] == [("| truncate", "1 x 64 pairs of 33/33 positions"),
-                                            ("| none", "1 x 64 pairs of 201/201 positions")]
+    rows = [line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert [(r[0], r[1]) for r in rows] == [("truncate", "1 x 64 pairs of 33/33 positions"),
+                                            ("none", "1 x 64 pairs of 201/201 positions")]
     assert "worst-case batch" not in out  # it was the first row's, said of every row
     assert plan.main(["-m", "plan.gpu_gb=0.5,2", *tiny]) == 0
     out = capsys.readouterr().out
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
-    assert [(r[0], r[-2]) for r in rows] == [("| none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
-                                             ("| none plan.gpu_gb=2", "yes (2 GB)")]
+    rows = [line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ") and not line.startswith("| job")]
+    assert [(r[0], r[-2]) for r in rows] == [("none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
+                                             ("none plan.gpu_gb=2", "yes (2 GB)")]
     assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
 
 
@@ -250,7 +250,8 @@ def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
             "memory.budget_gb=0.1", "plan.gpu_gb=0.1"]
     assert plan.main(["-m", "memory=auto,amp", *tiny]) == 0
     out, err = capsys.readouterr()
-    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ")] == ["| run", "| amp"]
+    assert [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| ")] == [["| job", "run"],
+                                                                                          ["| 1", "amp"]]
     assert err.splitlines() == ["error: memory=auto: not planned: memory.budget_gb=0.1: not more than the 0.5 GB of "
                                 "the CUDA context (plan.context_gb), which the card holds beside what the run "
                                 "allocates; nothing fits. Give the card's memory in GB"]
@@ -272,8 +273,8 @@ def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
         for m in ("none", "amp", "accum", "truncate", "checkpoint", "chunked_ce", "[amp,accum]", "[amp,checkpoint]")]
     assert plan.jobs(["seed=choice(1)", *sizes], True) == [["seed=1", *sizes]]  # a sweep of one value
     assert plan.main(["-m", "memory=glob([amp,acc*])", *sizes]) == 0
-    assert sorted(line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()
-                  if line.startswith("| a")) == ["| accum", "| amp"]  # (ranked by peak)
+    assert sorted(line.split(" | ")[1] for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("| ") and not line.startswith("| job")) == ["accum", "amp"]  # (ranked by peak)
     assert plan.main(["experiment=paper_base"]) == 1
     assert capsys.readouterr().err.splitlines() == [  # every missing key at once
         f"error: data.{split}_prefix is required: add data.{split}_prefix=... to the command line"
@@ -598,5 +599,6 @@ def test_plan_checks_memory_autos_choice_against_its_budget(capsys):
     verdict = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("a GPU needs"))
     assert verdict.endswith("fits a 1 GB card (memory.budget_gb)")
     assert plan.main(["-m", "memory=auto", "memory.budget_gb=1,2", *sizes]) == 0  # a row each, against its own
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| auto")]
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line.split(" | ")[1].startswith("auto")]
     assert len(rows) == 2 and {row.split(" | ")[-2] for row in rows} == {"yes (1 GB)", "yes (2 GB)"}

@@ -150,6 +150,9 @@ def test_report_lists_every_job_and_draws_a_png(failing_sweep, tmp_path):
     env = json.loads((sweep / "0" / "summary.json").read_text())["environment"]
     assert f"Ran on: {env['device_name']}, torch {torch.__version__}, commit {env['git_commit'][:7]}" in (
         tmp_path / "report.md").read_text()
+    # and, run on the CPU, where a GPU's worst case is planned
+    assert "For a GPU, plan the worst-case batch of the same overrides with `python plan.py -m" in (
+        tmp_path / "report.md").read_text()
     # The sweep itself wrote the same report into its directory when its last job ended, and printed the table.
     assert (sweep / "report.md").read_text() == (tmp_path / "report.md").read_text()
     assert (sweep / "report.png").is_file() and all(row in sweep_proc.stdout for row in rows)

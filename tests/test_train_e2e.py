@@ -162,9 +162,18 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
     save_checkpoint(tmp_path / "other.pt", **other)
     assert translate.main([str(steps[0]), str(tmp_path / "other.pt"), "--input", str(tmp_path / "test.de")]) == 1
     assert "other.pt: another model than" in capsys.readouterr().err
+    # the same model trained with another tokenizer of the same size: its ids stand for other words
+    other = load_checkpoint(steps[0])
+    other["vocab"] = {**other["vocab"], "tgt": "another digest"}
+    save_checkpoint(tmp_path / "other_vocab.pt", **other)
+    assert translate.main([str(steps[0]), str(tmp_path / "other_vocab.pt"), "--input", str(tmp_path / "test.de")]) == 1
+    assert "other_vocab.pt: another vocabulary than" in capsys.readouterr().err
+    assert translate.main([str(tmp_path / "other_vocab.pt"), "--input", str(tmp_path / "test.de"), "--tokenizer",
+                           str(Path(cfg.paths.output_dir) / "tokenizer")]) == 1
+    assert "not the tokenizer of" in capsys.readouterr().err
 
 
-def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path):
+def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path, capsys):
     """trainer.average_last=2: the test set is translated by the mean weights of the last two step checkpoints
     (the paper's practice, with 5), which translate.py given those two files reproduces, not by best.pt."""
     # 12 steps at a higher learning rate: models far enough apart that the average and best.pt (step 6) translate
@@ -177,6 +186,12 @@ def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_p
     hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
     assert translate_test_set(cfg, tmp_path, checkpoints=newest) == hyps
     assert translate_test_set(cfg, tmp_path) != hyps  # the average translates otherwise than best.pt
+    # the run directory: what the run tested with, the average (best.pt gave other translations on the same lines)
+    out = tmp_path / "from_run_dir.en"
+    assert translate.main([cfg.paths.output_dir, "--input", str(tmp_path / "test.de"), "--output", str(out),
+                           "--device", "cpu"]) == 0
+    assert out.read_text().splitlines() == hyps
+    assert "step_00000010.pt, " in capsys.readouterr().err
 
 
 def test_strategies_compose_in_one_run(fast_cfg):
