@@ -196,8 +196,7 @@ FREE_MODEL_KEYS = ("dropout", "attention_dropout", "activation_dropout", "init",
 EXACT_KEYS = ("seed", "data", "tokenizer", "memory", "optim")
 
 
-def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_digests: dict | None = None
-                    ) -> None:
+def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_digests: dict | None = None) -> None:
     """Refuse, in one line, to load a checkpoint into a model of another shape or vocabulary (load_state_dict would
     fail with a page of size mismatches, or, for model.n_heads, load and compute something else; a vocabulary of
     the same size whose ids stand for other words, ``vocab_digests``, would load and train on); warn about the
