@@ -239,6 +239,8 @@ def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
     key = override.split("=")[0].lstrip("+")
     if key.split(".")[0] == "hydra" or "@" in key or any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):
         return None  # Hydra's own, a group placed in another package (+model@teacher=base), a mapping's own keys
+    if _model_reads(key):
+        return None  # an option file of one's own that leaves it to ModelArgs' default
     parts = key.split(".")
     for depth in range(1, len(parts) + 1):  # the first part of the key that the config does not have
         if _get(schema, ".".join(parts[:depth])) is _MISSING:
@@ -284,7 +286,17 @@ def _group_choice(override: str) -> bool:
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
     """The message for a key the config does not have, with the closest key beside it."""
+    if _model_reads(key):
+        return f"{key}: the model option chosen does not set it (ModelArgs' default applies); set it with +{key}=..."
     return f"{key}: no such key{_key_hint(key, overrides)}"
+
+
+def _model_reads(key: str) -> bool:
+    """Whether ``key`` is a model setting (a field of ModelArgs) that a model option file may leave out."""
+    from .model import model_fields  # torch: imported only where a model key is looked up
+
+    group, _, name = key.partition(".")
+    return group == "model" and name in model_fields()
 
 
 def _key_hint(key: str, overrides: list[str]) -> str:
@@ -299,6 +311,10 @@ def _key_hint(key: str, overrides: list[str]) -> str:
         tree = {}
     node = _get(tree, parent) if parent else {k: v for k, v in tree.items() if k != "hydra"}
     siblings = list(node) if isinstance(node, dict) else []
+    if parent == "model":  # and the settings a model option file may leave to ModelArgs' defaults
+        from .model import model_fields
+
+        siblings += [f for f in model_fields() if f not in siblings]
     close = difflib.get_close_matches(leaf, siblings, n=1)
     return f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else (
         f"; {parent} has {', '.join(siblings)}" if siblings and parent else "")

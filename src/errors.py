@@ -41,3 +41,45 @@ class DataError(UserError):
 
 class NumericalError(UserError):
     """NaN or infinite losses or gradients beyond what trainer.on_nonfinite allows."""
+
+
+def check_known_keys(group: str, given, known, option_file=None) -> None:
+    """Refuses a key of a config group's option file (or of a preset) that nothing reads: a typo in a file of one's
+    own (``encoder_layer``) would otherwise fail deep in a constructor after the corpus is read, or a key of another
+    group set from this group's file (``data:`` in conf/memory/) would be lost. ``option_file``: the file the option
+    was read from, named when it holds the key."""
+    import difflib
+    from pathlib import Path
+
+    from .config_check import CONF
+
+    known = list(known)
+    for key in given:
+        if key in known:
+            continue
+        path = Path(option_file) if option_file else None
+        where = f" (in {_shown(path, CONF.parent)})" if path and _sets_key(path, group, key) else ""
+        if (CONF / key).is_dir():
+            hint = (f"{key} is a group of its own: an option of {group} that sets {key} keys needs "
+                    f"'# @package _global_' at its top, with its own keys under '{group}:' (see conf/memory/tokens.yaml)")
+        elif close := difflib.get_close_matches(key, known, n=1):
+            hint = f"did you mean {group}.{close[0]}?"
+        else:
+            hint = f"{group} has {', '.join(known)}"
+        raise ConfigError(f"{group}.{key}{where}: no such setting; {hint}")
+
+
+def _sets_key(path, group: str, key: str) -> bool:
+    """Whether the YAML file at ``path`` sets ``key``: at its top level, or under ``group:`` in a global package."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(tree, dict) and (key in tree or key in (tree.get(group) or {}))
+
+
+def _shown(path, root) -> str:
+    """``path`` as the user knows it: relative to the repository where it is in it."""
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)

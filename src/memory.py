@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .distributed import ddp_bucket_bytes
-from .errors import ConfigError, check_int
+from .errors import ConfigError, check_int, check_known_keys
 from .fileio import write_json
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,8 @@ class MemoryStrategy:
 
 def memory_strategy(memory: dict, max_tokens: int | None = None) -> MemoryStrategy:
     """The strategy of a ``memory`` config (a plain dict) and ``data.max_tokens``."""
-    try:
-        return MemoryStrategy(**memory, max_tokens=max_tokens)
-    except TypeError as e:
-        known = ", ".join(f for f in MemoryStrategy.__dataclass_fields__ if f != "max_tokens")
-        raise ConfigError(f"memory: {e} (known keys: {known})") from None
+    check_known_keys("memory", memory, (f for f in MemoryStrategy.__dataclass_fields__ if f != "max_tokens"))
+    return MemoryStrategy(**memory, max_tokens=max_tokens)
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "backward")

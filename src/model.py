@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+INITS = ("xavier", "fairseq")  # model.init: see ModelArgs.init
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -67,6 +69,11 @@ class ModelArgs:
                    + 4 * b * t * t * d + 4 * b * t * s * d)  # self- and cross-attention
         forward = self.encoder_layers * encoder + self.decoder_layers * decoder + 2 * b * t * d * self.tgt_vocab
         return 3 * forward
+
+
+def model_fields() -> list[str]:
+    """The settings of the model group: ModelArgs' fields but those the run fills in from the tokenizers."""
+    return [f for f in ModelArgs.__dataclass_fields__ if f not in ("src_vocab", "tgt_vocab", "pad_id", "share_vocab")]
 
 
 class MultiHeadAttention(nn.Module):
@@ -254,8 +261,8 @@ class Transformer(nn.Module):
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.generator = nn.Linear(a.d_model, a.tgt_vocab, bias=False)
-        if a.init not in ("xavier", "fairseq"):
-            raise ValueError(f"model.init={a.init!r}: expected xavier or fairseq")
+        if a.init not in INITS:
+            raise ValueError(f"model.init={a.init!r}: expected {' or '.join(INITS)}")
         for name, p in self.named_parameters():
             if "embed" in name:
                 continue

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import planner
+from .config_check import CONF
 from .data.corpus import check_data
-from .errors import ConfigError, check_int, check_number
+from .errors import ConfigError, check_int, check_known_keys, check_number
 from .faults import check_fault
+from .model import INITS, ModelArgs, model_fields
 from .tokenizers import check_tokenizer
 
 
@@ -73,8 +76,10 @@ def check_threads(tr: dict) -> None:
                           f"{4 * cores} (null: PyTorch's default, one per core)")
 
 
-def check_model(model: dict) -> None:
-    """The model group's sizes, rates and initialization (before the data is read)."""
+def check_model(model: dict, option_file: Path | None = None) -> None:
+    """The model group's keys, sizes, rates and initialization (before the data is read); ``option_file``: the
+    option's file (default: conf/model/<model.name>.yaml), named where it holds an unknown key."""
+    check_known_keys("model", (k for k in model if k != "name"), model_fields(), option_file or CONF / "model" / f"{model.get('name')}.yaml")
     for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
         if key in model:
             check_int(f"model.{key}", model[key], 1)
@@ -82,11 +87,11 @@ def check_model(model: dict) -> None:
     for key in ("dropout", "attention_dropout", "activation_dropout"):
         if key in model:
             check_number(f"model.{key}", model[key], 0, below=1, nullable=key != "dropout")
-    d_model, n_heads = model.get("d_model", 512), model.get("n_heads", 8)
+    d_model, n_heads = model.get("d_model", ModelArgs.d_model), model.get("n_heads", ModelArgs.n_heads)
     if d_model % n_heads:
         raise ConfigError(f"model.d_model={d_model} must be divisible by model.n_heads={n_heads}")
-    if model.get("init", "xavier") not in ("xavier", "fairseq"):
-        raise ConfigError(f"model.init={model['init']}: expected xavier or fairseq")
+    if model.get("init", ModelArgs.init) not in INITS:
+        raise ConfigError(f"model.init={model['init']}: expected {' or '.join(INITS)}")
 
 
 def check_optim(optim: dict) -> None:
