@@ -1,4 +1,5 @@
-"""Where a run's figures go: ``metrics.jsonl`` in the run directory always, and W&B when ``logger=wandb``.
+"""Where a run's figures go: ``metrics.jsonl`` in the run directory always, and W&B when ``logger=wandb`` (each
+logger the logger group's settings name: ``BACKENDS`` says how to add another).
 
 W&B, done the way its users expect: one run per job, grouped by sweep (the multirun directory, or ``sweep_name``),
 ``job_type=train``, named by the strategy label and the job's overrides, tagged from config, with the fully
@@ -22,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 from .errors import ConfigError
@@ -64,31 +66,30 @@ def hydra_job() -> dict:
 
 def run_name(label: str, overrides: list[str]) -> str:
     """The strategy label plus the job's overrides that say what else differs (``amp model=small``, ``amp
-    memory.amp=fp16``): the choice of memory options is the label already (their values, bf16 or fp16 say, are not),
-    and output paths say nothing about the run."""
-    skip = ("memory=", "hydra.", "paths.", "logger", "sweep_name=")
-    return " ".join([label, *(o for o in overrides if not o.lstrip("~+").startswith(skip))])
+    memory.amp=fp16``): the choice of built-in memory options is the label already (their values, bf16 or fp16 say,
+    are not), but an option file of one's own is named (``amp+checkpoint memory=lowmem``: two such files may resolve
+    to one label); output paths say nothing about the run."""
+    said = set(re.split(r"[+()]", label))  # auto(amp+accum): auto, amp, accum
+
+    def told(override: str) -> bool:
+        key, _, value = override.lstrip("~+").partition("=")
+        if key == "memory":
+            return set(value.strip("[]").split(",")) <= said
+        return key.startswith(("hydra.", "paths.", "logger", "sweep_name"))
+
+    return " ".join([label, *(o for o in overrides if not told(o))])
 
 
-class RunLogger:
-    def __init__(self, run_dir: Path, wandb_settings: dict | None = None, config: dict | None = None,
-                 name: str | None = None, group: str | None = None, resuming: bool = False):
-        """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run."""
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.wandb = None
-        self._logged_to_wandb = False
-        self.num_samples = 0
-        if wandb_settings:  # first: a W&B setting that fails leaves no open file behind
-            self.num_samples = int(wandb_settings.get("samples") or 0)
-            self.wandb = self._start_wandb(wandb_settings, config or {}, name, group, Path(run_dir), resuming)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
+class WandbLogger:
+    """Weights & Biases (``logger=wandb``): one run per job, started before the data is read (a setting W&B refuses
+    is found at once)."""
 
-    @staticmethod
-    def _start_wandb(settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path,
-                     resuming: bool):
+    def __init__(self, settings: dict, config: dict, name: str | None, group: str | None, run_dir: Path,
+                 resuming: bool):
         import wandb  # imported here: runs without logger=wandb do not need it
 
+        self.samples = int(settings.get("samples") or 0)
+        self._logged = False
         mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
         source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
         if mode not in WANDB_MODES:
@@ -103,7 +104,7 @@ class RunLogger:
         if resuming and id_file.is_file():
             run_id = id_file.read_text(encoding="utf-8").strip() or None
         try:
-            run = wandb.init(
+            self.run = wandb.init(
                 id=run_id,
                 resume="allow" if run_id and mode == "online" else None,  # offline, W&B warns that it ignores it
                 project=settings.get("project"),
@@ -125,24 +126,82 @@ class RunLogger:
             raise ConfigError(f"{source}={mode}: {message}{hint}") from None
         if mode != "disabled":
             with atomic_path(id_file) as tmp:
-                tmp.write_text(run.id + "\n", encoding="utf-8")
+                tmp.write_text(self.run.id + "\n", encoding="utf-8")
         for key, summary in METRIC_SUMMARIES.items():
-            run.define_metric(key, summary=summary)
-        return run
+            self.run.define_metric(key, summary=summary)
 
     def relabel(self, strategy: str, name: str) -> None:
-        """The W&B run's strategy and name once memory=auto has chosen (it starts before the data is read)."""
-        if self.wandb is not None:
-            self.wandb.name = name
-            self.wandb.config.update({"strategy": strategy}, allow_val_change=True)
+        self.run.name = name
+        self.run.config.update({"strategy": strategy}, allow_val_change=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.run.log(metrics, step=step)
+        self._logged = True
+
+    def log_samples(self, step: int, sources: list[str], references: list[str], hypotheses: list[str]) -> None:
+        """The first ``logger.wandb.samples`` validation translations, as a W&B table."""
+        if not self.samples:
+            return
+        import wandb
+
+        rows = [[step, s, r, h] for s, r, h in list(zip(sources, references, hypotheses))[: self.samples]]
+        self.run.log({"valid_samples": wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+
+    def finish(self, summary: dict) -> None:
+        # the last row logged first: W&B commits a step's row when the next one begins, or here, and a row
+        # committed after the summary would overwrite its totals (src_tokens, model_tflops, ...) with its own
+        if self._logged:  # (with nothing logged, it would be an empty row at step 0)
+            self.run.log({}, commit=True)
+        # the run's best validation BLEU and peak memory as summary.json has them: the history of this process
+        # lacks the steps before a resume, and a run that ran out of memory logged no row holding its peak
+        # (in the shape define_metric gives them, {"max": ...}, so that every run's column is the same)
+        final = {k: {METRIC_SUMMARIES[k]: v} if k in METRIC_SUMMARIES else v for k, v in summary.items()
+                 if _jsonable(v) and not (k in METRIC_SUMMARIES and v is None)}
+        self.run.summary.update(final)
+        self.run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
+
+
+# The loggers beside metrics.jsonl, by their key in the logger group (conf/logger/wandb.yaml sets logger.wandb). A
+# new one is a class with WandbLogger's constructor and its four methods, entered here, and an option file that
+# sets its key: logger=[wandb,<new>] then logs to both.
+BACKENDS = {"wandb": WandbLogger}
+
+
+class RunLogger:
+    """A run's figures: every row into ``metrics.jsonl`` in the run directory, and into each logger that the logger
+    group's settings name (``logger.wandb``)."""
+
+    def __init__(self, run_dir: Path, settings: dict | None = None, config: dict | None = None,
+                 name: str | None = None, group: str | None = None, resuming: bool = False):
+        """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run."""
+        settings = {key: value for key, value in (settings or {}).items() if value}  # logger.wandb=null: none
+        for key in settings:
+            if key not in BACKENDS:
+                raise ConfigError(f"logger.{key}: no logger of that name (src/loggers.py's BACKENDS has "
+                                  f"{', '.join(BACKENDS)})")
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.backends = []
+        try:  # first: a setting that fails leaves no open file or started run behind
+            for key, value in settings.items():
+                self.backends.append(BACKENDS[key](value, config or {}, name, group, Path(run_dir), resuming))
+        except BaseException:
+            for backend in self.backends:
+                backend.finish({"status": "failed"})
+            raise
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
+
+    def relabel(self, strategy: str, name: str) -> None:
+        """The runs' strategy and name once memory=auto has chosen (they start before the data is read)."""
+        for backend in self.backends:
+            backend.relabel(strategy, name)
 
     def log(self, metrics: dict, step: int) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-            self._logged_to_wandb = True
+        for backend in self.backends:
+            backend.log(metrics, step)
 
     def rewind(self, step: int) -> None:
         """Drop the rows logged after ``step`` (a resumed run trains those steps again)."""
@@ -160,29 +219,15 @@ class RunLogger:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
 
     def log_samples(self, step: int, sources: list[str], references: list[str], hypotheses: list[str]) -> None:
-        """The first ``logger.wandb.samples`` validation translations, as a W&B table (nothing without W&B)."""
-        if self.wandb is None or not self.num_samples:
-            return
-        import wandb
-
-        rows = [[step, s, r, h] for s, r, h in list(zip(sources, references, hypotheses))[: self.num_samples]]
-        self.wandb.log({"valid_samples": wandb.Table(columns=SAMPLE_COLUMNS, data=rows)}, step=step)
+        """Validation translations, for the loggers that show them (W&B's table)."""
+        for backend in self.backends:
+            backend.log_samples(step, sources, references, hypotheses)
 
     def finish(self, summary: dict) -> None:
         self._file.close()
-        if self.wandb is not None:
-            # the last row logged first: W&B commits a step's row when the next one begins, or here, and a row
-            # committed after the summary would overwrite its totals (src_tokens, model_tflops, ...) with its own
-            if self._logged_to_wandb:  # (with nothing logged, it would be an empty row at step 0)
-                self.wandb.log({}, commit=True)
-            # the run's best validation BLEU and peak memory as summary.json has them: the history of this process
-            # lacks the steps before a resume, and a run that ran out of memory logged no row holding its peak
-            # (in the shape define_metric gives them, {"max": ...}, so that every run's column is the same)
-            final = {k: {METRIC_SUMMARIES[k]: v} if k in METRIC_SUMMARIES else v for k, v in summary.items()
-                     if _jsonable(v) and not (k in METRIC_SUMMARIES and v is None)}
-            self.wandb.summary.update(final)
-            self.wandb.finish(exit_code=0 if summary.get("status") == "completed" else 1)
-            self.wandb = None
+        backends, self.backends = self.backends, []  # once, also when finish is called again
+        for backend in backends:
+            backend.finish(summary)
 
 
 class NullLogger:

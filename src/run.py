@@ -123,7 +123,7 @@ def train(cfg: DictConfig) -> dict:
         write_text(run_dir / "config.yaml", OmegaConf.to_yaml(conf))
         label = summary.get("strategy", "?")
         wandb_config = {**conf, "strategy": label, "overrides": summary["overrides"]}
-        return RunLogger(run_dir, conf["logger"].get("wandb"), wandb_config, name=run_name(label, summary["overrides"]),
+        return RunLogger(run_dir, conf["logger"], wandb_config, name=run_name(label, summary["overrides"]),
                          group=conf.get("sweep_name") or job.get("sweep_dir"), resuming=resuming)
 
     try:

@@ -436,6 +436,15 @@ def test_jobs_that_differ_in_a_memory_value_have_different_names(tmp_path):
     assert [j.label for j in load_sweep(sweep)] == ["amp memory.amp=bf16", "amp memory.amp=fp16"]
 
 
+def test_a_memory_option_file_of_ones_own_is_named_beside_its_label():
+    """conf/memory/lowmem.yaml and lowmem16.yaml (bf16 and fp16, each with checkpointing) both resolve to the label
+    amp+checkpoint: their names tell them apart; built-in options, which the label names, are not repeated."""
+    assert run_name("amp+checkpoint", ["memory=lowmem16", "model=small"]) == "amp+checkpoint memory=lowmem16 model=small"
+    assert run_name("amp+accum", ["memory=[amp,accum]", "seed=2"]) == "amp+accum seed=2"
+    assert run_name("auto(accum+amp)", ["memory=auto", "memory.budget_gb=12"]) == "auto(accum+amp) memory.budget_gb=12"
+    assert run_name("none", ["memory=none", "paths.output_dir=x", "logger=wandb"]) == "none"
+
+
 def test_the_wandb_summary_holds_the_runs_totals(fast_cfg, tmp_path):
     """The W&B run's summary is summary.json's: the last logged row, committed when the run finished, used to
     overwrite its totals (src_tokens, padding_ratio, model_tflops, ...) with the last window's."""
@@ -495,16 +504,20 @@ def test_wandb_modes(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc: not logged in
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / ".config"))
-    logger = RunLogger(tmp_path / "disabled", {"mode": "disabled", "samples": 2}, {"a": 1}, name="none")
+    logger = RunLogger(tmp_path / "disabled", {"wandb": {"mode": "disabled", "samples": 2}}, {"a": 1}, name="none")
     logger.log({"loss": 1.0}, step=1)
     logger.log_samples(1, ["s"], ["r"], ["h"])
     logger.finish({"status": "completed"})
     assert not (tmp_path / "disabled" / "wandb").exists()
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
-        RunLogger(tmp_path / "online", {"mode": "online"}, {"a": 1}, name="none")
+        RunLogger(tmp_path / "online", {"wandb": {"mode": "online"}}, {"a": 1}, name="none")
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared, dryrun, run$"):
-        RunLogger(tmp_path / "typo", {"mode": "ofline"}, {"a": 1}, name="none")
+        RunLogger(tmp_path / "typo", {"wandb": {"mode": "ofline"}}, {"a": 1}, name="none")
+    # conf/logger/csv.yaml setting logger.csv, with no logger behind it: refused by name (it was ignored)
+    with pytest.raises(ConfigError, match=r"^logger.csv: no logger of that name \(src/loggers.py's BACKENDS has wandb\)$"):
+        RunLogger(tmp_path / "csv", {"csv": {"path": "metrics.csv"}, "wandb": None}, {"a": 1}, name="none")
+    assert not (tmp_path / "csv").exists()
 
 
 def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):
@@ -527,12 +540,12 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
     monkeypatch.setattr(wandb, "init", init)
     monkeypatch.setenv("WANDB_MODE", "online")
     for resuming in (False, True):
-        RunLogger(tmp_path, {"mode": "online"}, {}, name="none", resuming=resuming).finish({"status": "completed"})
+        RunLogger(tmp_path, {"wandb": {"mode": "online"}}, {}, name="none", resuming=resuming).finish({"status": "completed"})
     assert [(c["id"], c["resume"]) for c in calls] == [(None, None), ("run1", "allow")]
     assert (tmp_path / WANDB_ID_FILE).read_text().strip() == "run1"
     # tags: a list as given; one word (logger.wandb.tags=memory, typed as a string) is one tag, not its letters
     for tags, expected in ((["a", "b"], ["a", "b"]), ("memory", ["memory"]), (None, [])):
-        RunLogger(tmp_path / "tags", {"mode": "online", "tags": tags}, {}, name="none").finish({"status": "completed"})
+        RunLogger(tmp_path / "tags", {"wandb": {"mode": "online", "tags": tags}}, {}, name="none").finish({"status": "completed"})
         assert calls[-1]["tags"] == expected
 
 
