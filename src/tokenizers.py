@@ -83,8 +83,9 @@ def spacy_tokenizer(lang: str, model: str | None = None):
             return spacy.load(model).tokenizer
         except OSError:
             raise ConfigError(
-                f"tokenizer.models.{lang}={model}: spaCy pipeline not installed; install it "
-                f"(python -m spacy download {model}) or remove the key to use spacy.blank('{lang}')"
+                f"tokenizer.models.{lang}={model}: spaCy pipeline not installed; install it if spaCy publishes "
+                f"one of that name (python -m spacy download {model}; not every language has one) or remove the key "
+                f"to use spacy.blank('{lang}')"
             ) from None
     try:
         return spacy.blank(lang).tokenizer

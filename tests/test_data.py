@@ -580,6 +580,17 @@ def test_a_spacy_language_that_needs_another_package_says_which():
         spacy_tokenizer("zz")
 
 
+def test_a_spacy_pipeline_that_is_not_installed_names_the_key_and_the_fallback():
+    """Not every language has a published pipeline (Czech has none): the message does not promise a download."""
+    from src.tokenizers import spacy_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^tokenizer.models.cs=cs_core_news_sm: spaCy pipeline not installed; install "
+                                          r"it if spaCy publishes one of that name .* or remove the key to use "
+                                          r"spacy.blank\('cs'\)$"):
+        spacy_tokenizer("cs", "cs_core_news_sm")
+    assert spacy_tokenizer("cs")("Pes běží po louce.")[-1].text == "."  # the fallback tokenizes Czech
+
+
 def test_a_stray_carriage_return_is_a_space_and_old_mac_line_ends_are_refused(tmp_path, caplog):
     import logging
 
