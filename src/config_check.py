@@ -353,6 +353,7 @@ def _check_type(key: str, default, value) -> None:
     else:
         return
     if not ok:
+        typed = str(value).lower() if isinstance(value, bool) else value  # true, as it was typed, not True
         shown = str(default).lower() if isinstance(default, bool) else default
-        quote = f"; quote it: '{key}=\"{value}\"'" if want == "a string" and isinstance(value, (int, float)) else ""
-        raise ConfigError(f"{key}={value}: expected {want} (the default is {shown}){quote}")
+        quote = f"; quote it: '{key}=\"{typed}\"'" if want == "a string" and isinstance(value, (int, float)) else ""
+        raise ConfigError(f"{key}={typed}: expected {want} (the default is {shown}){quote}")

@@ -29,6 +29,8 @@ COMMAND_LINE = [
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
+    ("a flag given where a number is expected", ["optim.label_smoothing=true"],
+     "optim.label_smoothing=true: expected a number (the default is 0.1)"),
     ("a flag set to null", ["model.tie_embeddings=null"], "model.tie_embeddings=null: expected true or false"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
@@ -398,6 +400,9 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
                                                            "a run directory that is a file",
+                                                           # test_config.py, test_sweeps.py: conf files of one's own
+                                                           "an unknown key in an option file of one's own",
+                                                           "a logger option with no logger behind it",
                                                            "resuming another model's checkpoint",  # test_resume.py
                                                            "a target language whose BLEU tokenizer is not installed"}
     assert documented == tried

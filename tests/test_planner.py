@@ -571,6 +571,10 @@ def test_one_rank_under_ddp_is_planned_with_ddps_gradient_buckets(fast_cfg):
              for extra in ([], ["plan.world_size=2"])]
     assert "world_size" not in plans[0][2] and plans[1][2]["world_size"] == 2
     assert plans[1][1].peak_bytes - plans[0][1].peak_bytes == 4 * plans[0][1].parameters
+    # memory=fsdp shards over ranks: without plan.world_size, plan.py plans one of two (one alone shards nothing)
+    fsdp = [plan_config(OmegaConf.to_container(fast_cfg(*sizes, "memory=fsdp", *extra), resolve=True))
+            for extra in ([], ["plan.world_size=2"])]
+    assert fsdp[0][2]["world_size"] == 2 and fsdp[0][1].peak_bytes == fsdp[1][1].peak_bytes < plans[0][1].peak_bytes
     # memory=auto in a run: the torchrun world decides
     conf = OmegaConf.to_container(fast_cfg("memory=auto", "memory.budget_gb=1"), resolve=True)
     strategy = memory_strategy(conf["memory"], None)

@@ -557,3 +557,39 @@ def test_each_rank_resumes_its_own_random_stream_whatever_the_number_of_ranks():
         assert len({d for _, d in got}) == resumed, (written, resumed)  # no two ranks draw the same numbers
         assert got == draws(saved(written), resumed)  # and a new stream is the same on every resume
     assert draws(saved(1), 2, seed=1)[1] != draws(saved(1), 2, seed=2)[1]
+
+
+def test_a_fault_acts_at_its_step_alone_and_times_0_keeps_it_off():
+    """A run resumed past fault.at_step with the same command line (a requeued SLURM job) does not get the fault
+    again; fault.times=0 keeps a fault configured but off."""
+    from src.faults import Fault, check_fault
+
+    fault = Fault("error", at_step=2, times=5)
+    fault.maybe_raise(1)
+    fault.maybe_raise(3)  # past its step: nothing
+    with pytest.raises(RuntimeError, match="fault injected at step 2"):
+        fault.maybe_raise(2)
+    check_fault({"kind": "error", "at_step": 2, "times": 0})
+    Fault("error", at_step=2, times=0).maybe_raise(2)
+    with pytest.raises(ConfigError, match=r"^fault.times=-1: must be an integer >= 0$"):
+        check_fault({"kind": "error", "times": -1})
+
+
+def test_a_run_directory_names_the_checkpoints_it_tested_with_or_its_best(tmp_path):
+    """translate.py <run dir>: summary.json's test_checkpoints when every one of them is there, else best.pt (one
+    deleted to save space would otherwise fail as "not found"); a dict with weights but no model settings is one
+    line, not a KeyError."""
+    from src.checkpoint import checkpoint_files, read_checkpoint
+    from src.errors import UserError
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for name in ("best.pt", "step_00000004.pt", "step_00000006.pt"):
+        torch.save({"model": {}, "model_args": {}}, ckpts / name)
+    (tmp_path / "summary.json").write_text(json.dumps({"test_checkpoints": ["step_00000004.pt", "step_00000006.pt"]}))
+    assert checkpoint_files(tmp_path) == [ckpts / "step_00000004.pt", ckpts / "step_00000006.pt"]
+    (ckpts / "step_00000004.pt").unlink()
+    assert checkpoint_files(tmp_path) == [ckpts / "best.pt"]
+    torch.save({"model": {}}, tmp_path / "weights.pt")
+    with pytest.raises(UserError, match="not a checkpoint written by train.py"):
+        read_checkpoint(tmp_path / "weights.pt", torch.device("cpu"))

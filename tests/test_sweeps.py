@@ -490,6 +490,27 @@ def test_a_torchrun_jobs_effective_batch_counts_its_ranks(tmp_path):
         assert load_sweep(job)[0].effective_batch == expected
 
 
+def test_an_uneven_accumulation_shows_its_largest_micro_batch():
+    """128 pairs in 3 micro-batches are 43, 43 and 42 pairs (src/data/batching.py's split_batch): the report names
+    the largest, which sets the memory; the same for a token budget."""
+    from src.report import Job
+
+    assert Job("0", Path("x"), summary={"batch_size": 128, "final_accum_steps": 3}).effective_batch == "128 pairs (3 x 43)"
+    assert Job("0", Path("x"), summary={"max_tokens": 1000, "accum_steps": 3}).effective_batch == "1,000 tokens (3 x 334 tokens)"
+
+
+def test_a_damaged_line_inside_metrics_jsonl_is_named_and_a_cut_last_line_is_not(tmp_path):
+    from src.errors import DataError
+    from src.report import _read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo\n{"step": 3, "loss": 4.0}\n')
+    with pytest.raises(DataError, match=rf"^{path}, line 2: not valid JSON$"):
+        _read_jsonl(path)
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 3, "loss": 4.0}\n{"step": 4, "lo')
+    assert [r["step"] for r in _read_jsonl(path)] == [1, 3]
+
+
 def markdown_rows(table: str) -> list[str]:
     return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| job")]
 
