@@ -218,6 +218,9 @@ def main() -> None:
 
     if unknown := [name for name in args.only or [] if not any(chosen_by_name(j[0], name) for j in jobs)]:
         sys.exit(f"error: --only {', '.join(unknown)}: no such row; the rows are {', '.join(j[0] for j in jobs)}")
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    header = (f"model=base, {device.type} ({machine}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+              f"command: python experiments/memory_strategies/measure.py --device {device.type}")
     rows = []
     for label, vocab, chosen, split, batch_idx, src_v, tgt_v, shared in jobs:
         if not chosen_by(label):
@@ -226,11 +229,9 @@ def main() -> None:
         row["strategy"] = asdict(chosen)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "strategy"}), flush=True)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    header = (f"model=base, {device.type} ({machine}), torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-              f"command: python experiments/memory_strategies/measure.py --device {device.type}")
-    write_json(out / f"results{suffix}.json", {"header": header, "rows": rows})
-    write_table(rows, out / f"results{suffix}.md", header)
+        # after each row: a run stopped at a time limit (a lent GPU's) keeps the rows it measured
+        write_json(out / f"results{suffix}.json", {"header": header, "rows": rows})
+        write_table(rows, out / f"results{suffix}.md", header)
     try:
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
     except ImportError:

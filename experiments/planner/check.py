@@ -57,6 +57,13 @@ def main() -> None:
             row["reserved_mb"] = round(real["reserved"] / MiB, 1)
         rows.append(row)
         print(row, flush=True)
+        write(rows, device, Path(args.out))  # after each row: a run stopped at a time limit keeps what it measured
+    print((Path(args.out) / f"results_{device.type}.md").read_text())
+
+
+def write(rows: list[dict], device: torch.device, out: Path) -> None:
+    cuda = device.type == "cuda"
+    other = "cpu" if cuda else "cuda"
     what = "CUDA max_memory_allocated" if cuda else "tracked peak of a real CPU step"
     machine = (torch.cuda.get_device_name(device) if cuda
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
@@ -70,11 +77,9 @@ def main() -> None:
         lines.append(f"| {r['case']} | {r['shape']} | {r['estimate_mb']:,.1f} | {r['measured_mb']:,.1f} | "
                      f"{r['error_pct']:+.2f}% | " + (f"{r['reserved_mb']:,.1f} | " if cuda else "")
                      + f"{r[f'planned_for_{other}_mb']:,.1f} | {r['planner_s']:.2f} |")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / f"results_{device.type}.md", "\n".join(lines) + "\n")
     write_json(out / f"results_{device.type}.json", rows)
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

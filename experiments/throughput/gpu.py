@@ -53,14 +53,22 @@ def datasheet_peak(name: str) -> float | None:
     return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
 
 
-def sub(script: str, *args: str) -> int:
-    """Runs a script of the repository; its exit status."""
+EVAL_PAIRS = 64  # validation and test pairs each run decodes (trainer.limit_eval): they are not timed
+TAIL = 40  # lines of a failed part's output kept in results_gpu.json: the device returns only files under $OUT
+
+
+def sub(script: str, *args: str) -> tuple[int, str]:
+    """Runs a script of the repository, its output streamed; its exit status and the last TAIL lines of output."""
     cmd = [sys.executable, str(ROOT / script), *args]
     print("$", " ".join(cmd), flush=True)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT)
+    tail: list[str] = []
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            tail = [*tail[-(TAIL - 1):], line.rstrip()]
     print(f"({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
-    return proc.returncode
+    return proc.returncode, "\n".join(tail)
 
 
 def main() -> None:
@@ -96,7 +104,18 @@ def main() -> None:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     common = [*args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}",
               f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none",
+              f"trainer.limit_eval={EVAL_PAIRS}",  # BLEU is not what these runs measure: decode little
               *([f"trainer.peak_tflops={peak / 1e12:g}"] if peak else [])]  # the run's own MFU, as a user would see it
+    def failed(part: str, error: str, output: str) -> None:
+        """A part that failed: its error in the table, the end of its output in results_gpu.json."""
+        results["failed"][part] = error
+        results.setdefault("failed_output", {})[part] = output
+        write(results, out)
+
+    def ran(part: str, status: tuple[int, str]) -> None:
+        if status[0]:
+            failed(part, f"exit {status[0]}: {status[1].splitlines()[-1] if status[1] else 'no output'}", status[1])
+
     def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
@@ -105,8 +124,7 @@ def main() -> None:
         except TrainFailed as e:  # recorded, and the other parts still run: one device session has them all
             print(e, flush=True)
             lines = [line for line in str(e).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            results["failed"][label] = lines[-1]  # the error, not Hydra's hint after it
-            write(results, out)
+            failed(label, lines[-1], "\n".join(lines[-TAIL:]))  # the error, not Hydra's hint after it
             return
         achieved = r["achieved_gflops"] * 1e9
         r |= {"achieved_tflops": round(achieved / 1e12, 1),
@@ -123,25 +141,27 @@ def main() -> None:
         train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
         run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / "profile_bf16"
-        sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+        ran("profile", sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
             *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
-            "memory=amp", "debug=profile")
+            "memory=amp", "debug=profile", f"trainer.limit_eval={EVAL_PAIRS}"))
         ops = run_dir / "profile" / "ops.txt"
         if ops.is_file():
             write_text(out / "profile_bf16_ops.txt", ops.read_text())
     if "memory" not in args.skip:
-        sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
-            "--out", str(out / "memory_strategies"))
+        ran("memory", sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
+            "--out", str(out / "memory_strategies")))
     if "planner" not in args.skip:
-        sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner"))
+        ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
     if "determinism" not in args.skip:  # trainer.deterministic: does one seed give the same run twice?
         losses, exits = [], []
         for i in range(2):
             run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / f"deterministic_{i}"
-            exits.append(sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+            status = sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
                 *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
                 "memory=amp", "trainer.deterministic=true", "trainer.max_steps=20", "trainer.eval_every=20",
-                "trainer.log_every=1", "trainer.limit_eval=64"))
+                "trainer.log_every=1", f"trainer.limit_eval={EVAL_PAIRS}")
+            exits.append(status[0])
+            ran(f"deterministic_{i}", status)
             metrics = run_dir / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
             losses.append([r["loss"] for r in rows if "loss" in r])
@@ -182,7 +202,7 @@ def write(results: dict, out: Path) -> None:
     if d := results.get("determinism"):
         if d.get("exit_codes", [0, 0]) != [0, 0] or not all(d["steps"]) or len(set(d["steps"])) > 1:
             lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed: not compared (exit statuses "
-                      f"{d.get('exit_codes')}, {d['steps']} logged steps; the runs' train.log say why)."]
+                      f"{d.get('exit_codes')}, {d['steps']} logged steps; failed_output in results_gpu.json says why)."]
         else:
             lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed ({d['steps']} logged steps): losses "
                       f"{'equal to the bit' if d['losses_equal'] else 'differ'} (largest difference "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares, here, what a lent GPU machine lacks for experiments/throughput/gpu.py (see the README beside this file):
-# hydra-core, omegaconf and antlr4's runtime (and pytest with its plugins of requirements.txt, for the GPU tests) as wheels in .whl/; the Multi30k files
+# hydra-core, omegaconf and antlr4's runtime (and pytest with its plugins of requirements.txt, for the GPU tests, and the
+# submitit launcher that hydra_plugins/ imports) as wheels in .whl/; the Multi30k files
 # and their encoded corpus, and the tests' encoded corpus (spaCy words, made here: the GPU machine has no spaCy), in
 # .gpu/. Both folders are git-ignored through .git/info/exclude.
 #
@@ -23,7 +24,8 @@ mkdir -p .whl .gpu/multi30k .gpu/cache .gpu/testcache
 # pure-Python packages, the versions of requirements.txt; antlr4's runtime is published as a source archive only
 "$python" -m pip download -q --no-deps --only-binary=:all: -d .whl hydra-core==1.3.8 omegaconf==2.3.1 \
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 packaging==26.4 pytest-xdist==3.8.0 execnet==2.1.2 \
-  pytest-rerunfailures==16.7
+  pytest-rerunfailures==16.7 \
+  hydra-submitit-launcher==1.2.0 submitit==1.5.4 cloudpickle==3.1.3  # hydra_plugins/ imports them: without, each train.py start warns
 "$python" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 
 cp "$root"/*.gz .gpu/multi30k/

@@ -64,9 +64,9 @@ def run_train(run_dir: Path, overrides: list[str]) -> dict:
     # the windows logged after the first row at or past the warm-up: none of the warm-up steps is timed
     start = next((r["step"] for r in train if r["step"] >= WARMUP), None)
     timed = [r for r in train if start is not None and r["step"] > start]
-    if not timed:
-        sys.exit(f"{run_dir}: no steps were logged after the {WARMUP} warm-up steps ({summary['steps']} steps in "
-                 "all); train for more")
+    if not timed:  # raised, not an exit: gpu.py records it and goes on to its other parts
+        raise TrainFailed(f"{run_dir}: no steps were logged after the {WARMUP} warm-up steps ({summary['steps']} "
+                          "steps in all); train for more")
     seconds = sum(r["window_s"] for r in timed)
     steps = timed[-1]["step"] - start
     flops = sum(r["model_tflops"] * 1e12 * r["window_s"] for r in timed)
