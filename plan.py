@@ -157,6 +157,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
+    number = {id(job): i for i, job in enumerate(sweep)}  # by identity: two equal jobs (memory=amp,amp) are two numbers
     for row, plan in zip(ranked, plans, strict=True):
         job, _conf, strategy, est, _info = row
         name = run_name(strategy.label, [o for o in job if o not in shared])
@@ -166,7 +167,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         batch = f"{s.accum_steps} x {s.pairs} pairs" + (f" of {s.src_len}/{s.tgt_len} positions" if len(lengths) > 1 else "")
         verdict = "yes" if need <= plan["gpu_gb"] else "**no**"
         print("| " + " | ".join([
-            str(sweep.index(job)), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
+            str(number[id(job)]), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
             verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", cost_note(strategy)]) + " |")
     notes = []
     if len(lengths) == 1:

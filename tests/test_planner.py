@@ -166,6 +166,10 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     assert [(r[0], r[-2]) for r in rows] == [("none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
                                              ("none plan.gpu_gb=2", "yes (2 GB)")]
     assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
+    # two equal jobs are two jobs of train.py -m, numbered 0 and 1 (both were numbered 0)
+    assert plan.main(["-m", "memory=amp,amp", *tiny]) == 0
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| job")] == ["| 0", "| 1"]
 
 
 def test_a_budget_holds_estimates_up_to_its_margins():
