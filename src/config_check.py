@@ -357,3 +357,47 @@ def _check_type(key: str, default, value) -> None:
         shown = str(default).lower() if isinstance(default, bool) else default
         quote = f"; quote it: '{key}=\"{typed}\"'" if want == "a string" and isinstance(value, (int, float)) else ""
         raise ConfigError(f"{key}={typed}: expected {want} (the default is {shown}){quote}")
+
+
+def check_known_keys(group: str, given, known) -> None:
+    """Refuses a key of a config group's option file (or of a preset) that nothing reads: a typo in a file of one's
+    own (``encoder_layer``) would otherwise fail deep in a constructor after the corpus is read, and a key of another
+    group set from this group's file (``data:`` in conf/memory/) would be lost. The message names the files that set
+    it (the command line's keys are checked before: ``check_command_line``)."""
+    known = list(known)
+    for key in given:
+        if key in known:
+            continue
+        files = _files_setting(group, key)
+        where = f" (set in {', '.join(files)})" if files else ""
+        if (CONF / key).is_dir():
+            hint = (f"{key} is a group of its own: an option of {group} that sets {key} keys needs "
+                    f"'# @package _global_' at its top, with its own keys under '{group}:'"
+                    + (" (as conf/memory/tokens.yaml)" if group == "memory" else ""))
+        elif close := difflib.get_close_matches(key, known, n=1):
+            hint = f"did you mean {group}.{close[0]}?"
+        else:
+            hint = f"{group} has {', '.join(known)}"
+        raise ConfigError(f"{group}.{key}{where}: no such setting; {hint}")
+
+
+def _files_setting(group: str, key: str) -> list[str]:
+    """The config files that set ``group.key``: options of ``group`` (at their top, or under ``group:`` in a global
+    package) and presets (under ``group:``)."""
+    import yaml
+
+    found = []
+    for folder in (group, *PRESETS):
+        for path in sorted((CONF / folder).glob("*.yaml")):
+            try:
+                text = path.read_text(encoding="utf-8")
+                tree = yaml.safe_load(text) or {}
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                continue
+            if not isinstance(tree, dict):
+                continue
+            # an option's top-level keys are its group's, but in a global package (presets are all global)
+            keys = tree if folder == group and "# @package _global_" not in text else tree.get(group)
+            if isinstance(keys, dict) and key in keys:
+                found.append(str(path.relative_to(CONF.parent)))
+    return found

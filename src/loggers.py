@@ -174,11 +174,11 @@ class RunLogger:
     def __init__(self, run_dir: Path, settings: dict | None = None, config: dict | None = None,
                  name: str | None = None, group: str | None = None, resuming: bool = False):
         """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run."""
-        settings = {key: value for key, value in (settings or {}).items() if value}  # logger.wandb=null: none
-        for key in settings:
+        for key in settings or {}:  # every key names a logger, `csv:` with no settings too
             if key not in BACKENDS:
                 raise ConfigError(f"logger.{key}: no logger of that name (src/loggers.py's BACKENDS has "
                                   f"{', '.join(BACKENDS)})")
+        settings = {key: value or {} for key, value in (settings or {}).items() if value is not False}  # false: off
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.backends = []

@@ -39,8 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .config_check import check_known_keys
 from .distributed import ddp_bucket_bytes
-from .errors import ConfigError, check_int, check_known_keys
+from .errors import ConfigError, check_int
 from .fileio import write_json
 
 log = logging.getLogger(__name__)

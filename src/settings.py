@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import planner
-from .config_check import CONF
+from .config_check import check_known_keys
 from .data.corpus import check_data
-from .errors import ConfigError, check_int, check_known_keys, check_number
+from .errors import ConfigError, check_int, check_number
 from .faults import check_fault
 from .model import INITS, ModelArgs, model_fields
 from .tokenizers import check_tokenizer
@@ -76,10 +75,9 @@ def check_threads(tr: dict) -> None:
                           f"{4 * cores} (null: PyTorch's default, one per core)")
 
 
-def check_model(model: dict, option_file: Path | None = None) -> None:
-    """The model group's keys, sizes, rates and initialization (before the data is read); ``option_file``: the
-    option's file (default: conf/model/<model.name>.yaml), named where it holds an unknown key."""
-    check_known_keys("model", (k for k in model if k != "name"), model_fields(), option_file or CONF / "model" / f"{model.get('name')}.yaml")
+def check_model(model: dict) -> None:
+    """The model group's keys, sizes, rates and initialization (before the data is read)."""
+    check_known_keys("model", (k for k in model if k != "name"), model_fields())
     for key in ("d_model", "n_heads", "d_ff", "encoder_layers", "decoder_layers"):
         if key in model:
             check_int(f"model.{key}", model[key], 1)

@@ -110,24 +110,33 @@ def test_missing_mandatory_key_is_named(tmp_path):
         train(compose_config("data=files", run_dir=tmp_path))
 
 
-def test_a_model_file_of_ones_own_with_a_typo_is_named_before_the_data(tmp_path):
-    """conf/model/medium.yaml with ``encoder_layer: 5``: the key, its file and the closest key, before the corpus is
-    read (it failed in ModelArgs' constructor after tokenizing, naming neither)."""
+def test_a_model_file_of_ones_own_with_a_typo_is_named_before_the_data(tmp_path, monkeypatch):
+    """conf/model/medium.yaml with ``encoder_layer: 5``: the key, the file that sets it (whatever its ``name:`` says)
+    and the closest key, before the corpus is read (it failed in ModelArgs' constructor after tokenizing, naming
+    neither); a memory file's typo likewise."""
+    from src import config_check
+    from src.memory import memory_strategy
     from src.run import train
     from src.settings import check_model
 
-    own = tmp_path / "medium.yaml"
-    own.write_text("name: medium\nd_model: 384\nn_heads: 6\nencoder_layer: 5\n")
-    model = {"name": "medium", "d_model": 384, "n_heads": 6, "encoder_layer": 5}
-    with pytest.raises(ConfigError, match=rf"^model.encoder_layer \(in {own}\): no such setting; "
-                                          r"did you mean model.encoder_layers\?$"):
-        check_model(model, own)
     cfg = compose_config(*FAST, run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
     with open_dict(cfg):
         cfg.model.encoder_layer = 5  # as an option file would set it (the command line's + is refused before)
     with pytest.raises(ConfigError, match=r"^model.encoder_layer: no such setting; did you mean model.encoder_layers"):
         train(cfg)
     assert not (tmp_path / "cache").exists()  # before the corpus was read
+    conf = tmp_path / "conf"  # a conf/ of one's own, with the files
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "medium.yaml").write_text("name: small\nd_model: 384\nn_heads: 6\nencoder_layer: 5\n")
+    (conf / "memory").mkdir()
+    (conf / "memory" / "lowmem.yaml").write_text("# @package _global_\nmemory:\n  amp: bf16\n  chekpoint: true\n")
+    monkeypatch.setattr(config_check, "CONF", conf)
+    with pytest.raises(ConfigError, match=r"^model.encoder_layer \(set in conf/model/medium.yaml\): no such setting; "
+                                          r"did you mean model.encoder_layers\?$"):
+        check_model({"name": "small", "d_model": 384, "n_heads": 6, "encoder_layer": 5})
+    with pytest.raises(ConfigError, match=r"^memory.chekpoint \(set in conf/memory/lowmem.yaml\): no such setting; "
+                                          r"did you mean memory.checkpoint\?$"):
+        memory_strategy({"amp": "bf16", "chekpoint": True})
 
 
 def test_a_model_setting_that_a_model_file_of_ones_own_leaves_out_can_be_added():

@@ -536,10 +536,14 @@ def test_wandb_modes(tmp_path, monkeypatch):
         RunLogger(tmp_path / "online", {"wandb": {"mode": "online"}}, {"a": 1}, name="none")
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared, dryrun, run$"):
         RunLogger(tmp_path / "typo", {"wandb": {"mode": "ofline"}}, {"a": 1}, name="none")
-    # conf/logger/csv.yaml setting logger.csv, with no logger behind it: refused by name (it was ignored)
-    with pytest.raises(ConfigError, match=r"^logger.csv: no logger of that name \(src/loggers.py's BACKENDS has wandb\)$"):
-        RunLogger(tmp_path / "csv", {"csv": {"path": "metrics.csv"}, "wandb": None}, {"a": 1}, name="none")
+    # conf/logger/csv.yaml setting logger.csv, with no logger behind it: refused by name (it was ignored), with
+    # settings or without (`csv:`, null), before W&B starts
+    for csv in ({"path": "metrics.csv"}, None, {}):
+        with pytest.raises(ConfigError, match=r"^logger.csv: no logger of that name \(src/loggers.py's BACKENDS has wandb\)$"):
+            RunLogger(tmp_path / "csv", {"wandb": {"mode": "disabled"}, "csv": csv}, {"a": 1}, name="none")
     assert not (tmp_path / "csv").exists()
+    RunLogger(tmp_path / "off", {"wandb": False}, {"a": 1}, name="none").finish({"status": "completed"})
+    assert not (tmp_path / "off" / "wandb").exists() and (tmp_path / "off" / "metrics.jsonl").exists()
 
 
 def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ Multi30k files; spaCy only if the encoded corpus is not already in the cache (MT
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import subprocess
@@ -62,13 +63,19 @@ def sub(script: str, *args: str) -> tuple[int, str]:
     cmd = [sys.executable, str(ROOT / script), *args]
     print("$", " ".join(cmd), flush=True)
     started = time.perf_counter()
-    tail: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL)
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
             print(line, end="", flush=True)
-            tail = [*tail[-(TAIL - 1):], line.rstrip()]
+            tail.append(line.rstrip())
     print(f"({time.perf_counter() - started:.0f} s, exit {proc.returncode})", flush=True)
     return proc.returncode, "\n".join(tail)
+
+
+def last_error(output: str) -> str:
+    """The line that says what went wrong: the last one, but not Hydra's hint after a train.py error."""
+    lines = [line for line in output.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+    return lines[-1] if lines else "no output"
 
 
 def main() -> None:
@@ -114,7 +121,7 @@ def main() -> None:
 
     def ran(part: str, status: tuple[int, str]) -> None:
         if status[0]:
-            failed(part, f"exit {status[0]}: {status[1].splitlines()[-1] if status[1] else 'no output'}", status[1])
+            failed(part, f"exit {status[0]}: {last_error(status[1])}", status[1])
 
     def train_run(label: str, extra: list[str], rate: float) -> None:
         overrides = [*common, *extra]
@@ -123,8 +130,7 @@ def main() -> None:
             r = run_train(run_dir, overrides)  # with the model FLOPs of its timed steps, as the run logged them
         except TrainFailed as e:  # recorded, and the other parts still run: one device session has them all
             print(e, flush=True)
-            lines = [line for line in str(e).splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
-            failed(label, lines[-1], "\n".join(lines[-TAIL:]))  # the error, not Hydra's hint after it
+            failed(label, last_error(str(e)), "\n".join(str(e).splitlines()[-TAIL:]))
             return
         achieved = r["achieved_gflops"] * 1e9
         r |= {"achieved_tflops": round(achieved / 1e12, 1),
@@ -165,9 +171,9 @@ def main() -> None:
             metrics = run_dir / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
             losses.append([r["loss"] for r in rows if "loss" in r])
-        ran = exits == [0, 0] and losses[0] and len(losses[0]) == len(losses[1])  # else nothing was compared
+        compared = exits == [0, 0] and losses[0] and len(losses[0]) == len(losses[1])  # else nothing was
         results["determinism"] = {"exit_codes": exits, "steps": [len(x) for x in losses],
-                                  "losses_equal": bool(ran) and losses[0] == losses[1],
+                                  "losses_equal": bool(compared) and losses[0] == losses[1],
                                   "largest_difference": max((abs(a - b) for a, b in zip(*losses)), default=None)}
         print("determinism", results["determinism"], flush=True)
         write(results, out)
