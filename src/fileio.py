@@ -86,3 +86,32 @@ def write_text(path: str | Path, text: str) -> None:
 
 def write_json(path: str | Path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+@contextlib.contextmanager
+def locked(path: str | Path, wait: bool = True, note: str = "") -> Iterator[bool]:
+    """An exclusive lock on the file ``path`` (made if missing) for the block: the kernel's (``flock``), so a process
+    that dies, killed or not, leaves none behind. ``wait``: until it is free; else the block runs at once, with
+    False, when another process holds it. ``note``: written into the file once held (who holds it, for the others'
+    messages). Where no lock can be had (a read-only directory, a network file system without locks) the block
+    runs unguarded, with True."""
+    import fcntl
+
+    try:
+        f = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (a lock, not data; closed below, which releases it)
+    except OSError:
+        yield True
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        except OSError:
+            pass  # no locks on this file system: unguarded
+        if note:
+            f.truncate(0)
+            f.write(note)
+            f.flush()
+        yield True

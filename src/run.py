@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -41,7 +42,7 @@ from .environment import environment
 from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
-from .fileio import write_json, write_text
+from .fileio import locked, write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
     MemoryStrategy,
@@ -117,6 +118,8 @@ def train(cfg: DictConfig) -> dict:
     world = world_from_env()  # torchrun: this process's rank; rank 0 alone writes the run's files
     threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
     conf: dict | None = None
+    held = contextlib.ExitStack()  # this process's hold on run_dir (hold_run_dir), until summary.json is written
+    busy = False  # another live process holds run_dir: this one writes nothing there
 
     def start_logger(resuming: bool) -> RunLogger:
         """The run's config.yaml and its logger (metrics.jsonl, W&B)."""
@@ -139,6 +142,12 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
         with process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
+            if world.main:
+                try:
+                    hold_run_dir(run_dir, held)
+                except RunDirBusy:
+                    busy = True
+                    raise
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
             resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
@@ -180,7 +189,7 @@ def train(cfg: DictConfig) -> dict:
         torch.set_num_threads(threads)
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        writes = world.main and (claimed or not holds_earlier_run(run_dir))
+        writes = world.main and not busy and (claimed or not holds_earlier_run(run_dir))
         if writes:
             write_json(run_dir / "summary.json", summary)
         if writes and logger is None and conf is not None and summary["status"] in ("failed", "oom"):
@@ -192,7 +201,27 @@ def train(cfg: DictConfig) -> dict:
                 log.warning("the failure is in summary.json only: no logger (%s: %s)", type(e).__name__, e)
         if logger is not None:
             logger.finish(summary)
+        held.close()
     return summary
+
+
+RUN_LOCK = ".lock"  # in the run directory: held by the process that runs there (hold_run_dir)
+
+
+class RunDirBusy(ConfigError):
+    pass
+
+
+def hold_run_dir(run_dir: Path, held: contextlib.ExitStack) -> None:
+    """This process's hold on its run directory until ``held`` closes: a second process given the same directory
+    (two runs told one hydra.run.dir, a job launched twice) is refused in one line, rather than resuming the live
+    run's checkpoints, removing those it wrote since, and writing into its files. The lock is the kernel's: a
+    killed run leaves none, so a requeued job takes its directory back."""
+    lock = run_dir / RUN_LOCK
+    if not held.enter_context(locked(lock, wait=False, note=f"pid {os.getpid()} on {socket.gethostname()}\n")):
+        holder = lock.read_text(encoding="utf-8").strip() if lock.is_file() else ""
+        raise RunDirBusy(f"{run_dir}: another process is running in this directory ({holder or 'its lock: ' + str(lock)});"
+                         " give this run its own (hydra.run.dir=...), or wait for that one to end")
 
 
 @contextlib.contextmanager

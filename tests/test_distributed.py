@@ -360,8 +360,9 @@ def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(worker_cases):
 @pytest.mark.slow
 def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_path):
     """Two torchrun launchers with --nnodes=2 (two "nodes" on this machine, one process each, one cache directory
-    as on a shared filesystem): each node's first process tokenizes, both at the same time, and the atomic
-    writes leave one whole cache file, no temporary ones, that a later run loads."""
+    as on a shared filesystem): each node's first process reads the corpus, one of them tokenizes while the other
+    waits for its file (the cache file's lock), and they leave one whole cache file, no temporary ones, that a
+    later run loads."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = free_port()
     launchers = [subprocess.Popen([TORCHRUN, "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
@@ -372,8 +373,8 @@ def test_on_two_nodes_each_nodes_first_rank_tokenizes_into_one_shared_cache(tmp_
         _, err = launcher.communicate(timeout=300)
         assert launcher.returncode == 0, err[-3000:]
     from_cache = [torch.load(tmp_path / f"main_first{r}.pt")["from_cache"] for r in (0, 1)]
-    assert from_cache == [False, False]  # LOCAL_RANK 0 on each node: neither waits for the other
-    assert [p.name.endswith(".pt") for p in (tmp_path / "cache").iterdir()] == [True]
+    assert sorted(from_cache) == [False, True]  # LOCAL_RANK 0 on each node: one tokenized, the other loaded its file
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".lock", ".pt"]
     from omegaconf import OmegaConf
 
     from src.data.prepare import prepare_data

@@ -593,3 +593,60 @@ def test_a_run_directory_names_the_checkpoints_it_tested_with_or_its_best(tmp_pa
     torch.save({"model": {}}, tmp_path / "weights.pt")
     with pytest.raises(UserError, match="not a checkpoint written by train.py"):
         read_checkpoint(tmp_path / "weights.pt", torch.device("cpu"))
+
+
+def test_a_second_process_in_a_live_runs_directory_is_refused_and_writes_nothing(fast_cfg):
+    """Two runs given one directory (a job launched twice, hydra.run.dir given twice): the second is refused in
+    one line while the first runs, and writes nothing there (it resumed the live run's checkpoints, removed those
+    written since and interleaved its files with the live run's); once the first has ended, the directory is free."""
+    import contextlib
+    import os
+
+    from src.run import RUN_LOCK, RunDirBusy, hold_run_dir
+
+    cfg = fast_cfg("trainer.max_steps=2", "trainer.eval_every=2")
+    run_dir = Path(cfg.paths.output_dir).resolve()
+    run_dir.mkdir(parents=True)
+    with contextlib.ExitStack() as live:
+        hold_run_dir(run_dir, live)  # as the live run holds it (a lock of another open file: flock's own rules)
+        with pytest.raises(RunDirBusy, match=rf"^{run_dir}: another process is running in this directory "
+                                             rf"\(pid {os.getpid()} on .+\); give this run its own"):
+            train(cfg)
+        assert sorted(p.name for p in run_dir.iterdir()) == [RUN_LOCK]
+    assert train(cfg)["status"] == "completed"
+
+
+def test_jobs_that_miss_the_encoded_corpus_cache_together_tokenize_once(tmp_path):
+    """A sweep's jobs started at once on a cluster: the first holds the cache file's lock while it tokenizes and
+    writes, and a job that missed the cache meanwhile waits, then loads that file rather than tokenizing again. A
+    temporary file that a writer killed mid-write left behind is removed by the next writer."""
+    import threading
+
+    from omegaconf import OmegaConf
+
+    from src.data.encode import _encoded, cache_key, encode_corpus
+    from src.data.prepare import load_corpus
+    from src.fileio import locked
+
+    conf = OmegaConf.to_container(compose_config(*FAST, run_dir=tmp_path / "run"), resolve=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    corpus = load_corpus(conf["data"], cache, True)
+    cache_file = cache / f"encoded-{cache_key(corpus, conf['tokenizer'])}.pt"
+    lock = cache / f".{cache_file.name}.lock"
+    loaded: list = []
+    with locked(lock, wait=False) as first:  # the first job, tokenizing
+        assert first
+        with locked(lock, wait=False) as second:
+            assert not second  # another holder: said at once, without waiting
+        waiting = threading.Thread(target=lambda: loaded.append(encode_corpus(corpus, conf["tokenizer"], cache)))
+        waiting.start()
+        waiting.join(timeout=1)
+        assert waiting.is_alive() and not loaded  # the second job waits for the first
+        _encoded(corpus, conf["tokenizer"], cache_file)  # the first job writes the cache
+    waiting.join(timeout=60)
+    assert loaded and loaded[0].from_cache  # loaded, not tokenized again
+    cache_file.unlink()
+    stale = cache / f".{cache_file.name}.x1y2.tmp"
+    stale.write_bytes(b"half a file")  # a writer killed mid-write
+    assert not encode_corpus(corpus, conf["tokenizer"], cache).from_cache and not stale.exists()

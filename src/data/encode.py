@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..errors import UserError
-from ..fileio import atomic_path
+from ..fileio import atomic_path, locked
 from ..memory import peak_rss_mb
 from ..tokenizers import Codec, TrimmedCodec, build_codecs, codec_from_state
 from .corpus import Corpus
@@ -164,20 +164,45 @@ def _unpack(packed: dict[str, Tensor]) -> PackedSequences:
 
 
 def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> EncodedCorpus:
-    """Build the tokenizers from the training split and encode every split, or load both from the cache."""
+    """Build the tokenizers from the training split and encode every split, or load both from the cache. Jobs that
+    miss the cache together (a sweep's, started at once on a cluster) tokenize once: the first holds the cache
+    file's lock while it tokenizes and writes, and the others then load its file."""
     cache_file = Path(cache_dir) / f"encoded-{cache_key(corpus, tokenizer)}.pt" if cache_dir else None
-    if cache_file is not None and cache_file.is_file():
-        try:
-            blob = torch.load(cache_file, weights_only=True)
-            changed = changed_packages(tokenizer, blob["packages"])
-            if changed:
-                log.info("encoding the corpus again: %s since %s was written", ", ".join(changed), cache_file)
-            else:
-                log.info("loaded encoded corpus from %s", cache_file)
-                return _from_blob(blob, cache_file, from_cache=True)
-        except Exception as e:  # a corrupt or outdated cache file is rebuilt, not fatal
-            log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
+    if cache_file is None:
+        return _encoded(corpus, tokenizer, None)
+    if (cached := _cached(cache_file, tokenizer)) is not None:
+        return cached
+    with contextlib.suppress(OSError):  # a cache directory that cannot be made: unguarded, and not cached
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with locked(cache_file.parent / f".{cache_file.name}.lock"):
+        if (cached := _cached(cache_file, tokenizer, quiet=True)) is not None:  # written while this job waited
+            return cached
+        for stale in cache_file.parent.glob(f".{cache_file.name}.*.tmp"):  # a writer killed mid-write left it:
+            stale.unlink(missing_ok=True)  # the lock's holder is the only writer of this file
+        return _encoded(corpus, tokenizer, cache_file)
 
+
+def _cached(cache_file: Path, tokenizer: dict, quiet: bool = False) -> EncodedCorpus | None:
+    """The encoded corpus of ``cache_file``, or None where there is none to use (a corrupt or outdated file is
+    rebuilt, not fatal). ``quiet``: a second look, whose reasons were logged by the first."""
+    if not cache_file.is_file():
+        return None
+    try:
+        blob = torch.load(cache_file, weights_only=True)
+        changed = changed_packages(tokenizer, blob["packages"])
+        if not changed:
+            log.info("loaded encoded corpus from %s", cache_file)
+            return _from_blob(blob, cache_file, from_cache=True)
+        if not quiet:
+            log.info("encoding the corpus again: %s since %s was written", ", ".join(changed), cache_file)
+    except Exception as e:
+        if not quiet:
+            log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
+    return None
+
+
+def _encoded(corpus: Corpus, tokenizer: dict, cache_file: Path | None) -> EncodedCorpus:
+    """Tokenize and encode the corpus, and cache it in ``cache_file`` where given."""
     child_peak = None
     # spaCy in a child (the module's docstring says why), except off Linux (no safe fork) and in a daemonic
     # process (a multiprocessing pool's worker), which may not start one.
