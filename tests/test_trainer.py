@@ -264,23 +264,6 @@ def test_truncation_cuts_and_counts():
     assert none.pairs == 0
 
 
-def test_a_cut_target_is_not_taught_to_end_where_it_was_cut():
-    """memory=truncate: a target cut at max_tgt_len goes on past its last token, so its last label is padding
-    (ignored by the loss), not </s>; an uncut target ends with </s>; a cut source keeps its </s>."""
-    from src.data.batching import micro_batches as step_batches
-
-    split = EncodedSplit([torch.arange(3, 13), torch.arange(3, 6)], [torch.arange(3, 7), torch.arange(3, 11)])
-    cut, _ = limit_lengths(split, max_src_len=5, max_tgt_len=6)
-    assert cut.cut_targets == {1}
-    (batch,) = step_batches(cut, [0, 1], [6, 7], 1, PAD, BOS, EOS)
-    assert batch.tgt_out.tolist() == [[3, 4, 5, 6, EOS, PAD, PAD], [3, 4, 5, 6, 7, 8, PAD]]
-    assert batch.tgt_in.tolist() == [[BOS, 3, 4, 5, 6, PAD, PAD], [BOS, 3, 4, 5, 6, 7, 8]]
-    assert batch.src.tolist()[0] == [3, 4, 5, 6, 7, EOS]
-    assert batch.n_tgt_tokens == (batch.tgt_out != PAD).sum().item() == 11  # the loss's denominator
-    dropped, _ = limit_lengths(split, max_src_len=5, max_tgt_len=6, overlong="drop")
-    assert dropped.cut_targets == frozenset()
-
-
 def test_overlong_pairs_can_be_dropped_instead():
     split = EncodedSplit([torch.arange(10), torch.arange(3), torch.arange(2)], [torch.arange(4), torch.arange(8), torch.arange(2)])
     kept, stats = limit_lengths(split, max_src_len=5, max_tgt_len=6, overlong="drop")

@@ -20,7 +20,7 @@ from .encode import EncodedSplit
 class Batch:
     src: Tensor  # (B, S): source ids, then </s>, right-padded
     tgt_in: Tensor  # (B, T): <s>, then target ids (decoder input)
-    tgt_out: Tensor  # (B, T): target ids, then </s> (labels; padding is ignored by the loss; a cut target: padding)
+    tgt_out: Tensor  # (B, T): target ids, then </s> (labels; padding is ignored by the loss)
     n_src_tokens: int  # non-pad tokens
     n_tgt_tokens: int
 
@@ -47,20 +47,16 @@ def pad_stack(seqs: list[Tensor], pad_id: int) -> Tensor:
     return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
 
 
-def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_id: int,
-            ends: list[bool] | None = None) -> Batch:
-    """``ends``: whether each target ends where it stops (default: all do); one cut by memory=truncate does not,
-    and its last label is padding rather than </s>."""
-    eos, bos, pad = torch.tensor([eos_id]), torch.tensor([bos_id]), torch.tensor([pad_id])
-    ends = [True] * len(tgt) if ends is None else ends
+def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_id: int) -> Batch:
+    eos, bos = torch.tensor([eos_id]), torch.tensor([bos_id])
     src_seqs = [torch.cat([s, eos]) for s in src]
     tgt_in = [torch.cat([bos, t]) for t in tgt]
-    tgt_out = [torch.cat([t, eos if end else pad]) for t, end in zip(tgt, ends, strict=True)]
+    tgt_out = [torch.cat([t, eos]) for t in tgt]
     pin = torch.cuda.is_available()  # page-locked host memory lets the copy to the GPU overlap compute
     tensors = [pad_stack(x, pad_id) for x in (src_seqs, tgt_in, tgt_out)]
     if pin:
         tensors = [t.pin_memory() for t in tensors]
-    return Batch(*tensors, sum(len(s) for s in src_seqs), sum(len(t) + end for t, end in zip(tgt, ends)))
+    return Batch(*tensors, sum(len(s) for s in src_seqs), sum(len(t) for t in tgt_out))
 
 
 def pair_sizes(split: EncodedSplit) -> list[int]:
@@ -157,8 +153,7 @@ def micro_batches(split: EncodedSplit, indices: list[int], sizes: list[int], par
                   eos_id: int) -> list[Batch]:
     """One optimizer step's batch as ``parts`` padded micro-batches of neighbouring lengths (``split_batch``)."""
     return [
-        collate([split.src[i] for i in part], [split.tgt[i] for i in part], pad_id, bos_id, eos_id,
-                [i not in split.cut_targets for i in part])
+        collate([split.src[i] for i in part], [split.tgt[i] for i in part], pad_id, bos_id, eos_id)
         for part in split_batch(indices, sizes, parts)
     ]
 
@@ -189,12 +184,10 @@ def limit_lengths(
     split: EncodedSplit, max_src_len: int | None, max_tgt_len: int | None, overlong: str = "truncate"
 ) -> tuple[EncodedSplit, LengthLimitStats]:
     """Sources over ``max_src_len`` and targets over ``max_tgt_len`` tokens (special tokens not counted) are cut
-    to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``). Each side is cut on its own, as
-    fairseq's --truncate-source cuts sources: a cut source keeps its </s>; a cut target is labelled with padding
-    after its last token, not </s> (``EncodedSplit.cut_targets``)."""
+    to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"memory.overlong={overlong}: expected truncate or drop")
-    src, tgt, cut_targets = [], [], set()
+    src, tgt = [], []
     stats = LengthLimitStats(overlong, 0, 0, 0, 0, 0, len(split))
     for s, t in zip(split.src, split.tgt):
         stats.src_tokens += len(s)
@@ -209,8 +202,6 @@ def limit_lengths(
                 continue
             stats.src_tokens_removed += cut_s
             stats.tgt_tokens_removed += cut_t
-            if cut_t:
-                cut_targets.add(len(tgt))
         src.append(s[: len(s) - cut_s])
         tgt.append(t[: len(t) - cut_t])
-    return EncodedSplit(src, tgt, frozenset(cut_targets)), stats
+    return EncodedSplit(src, tgt), stats

@@ -95,9 +95,6 @@ class PackedSequences(Sequence[Tensor]):
 class EncodedSplit:
     src: Sequence[Tensor]  # int64 token ids per sentence, no special tokens (PackedSequences or a list)
     tgt: Sequence[Tensor]
-    # The pairs whose target memory=truncate cut: the sentence goes on past its last token, so the label after it
-    # is not </s> (training would reward ending a sentence where it was cut) but padding, which the loss ignores.
-    cut_targets: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.src)
@@ -333,6 +330,6 @@ def trim_vocabulary(encoded: EncodedCorpus, train: EncodedSplit | None = None) -
     else:
         src, tgt = trimmed(encoded.src_codec, [train.src]), trimmed(encoded.tgt_codec, [train.tgt])
     src_table, tgt_table = torch.tensor(src.lookup_table()), torch.tensor(tgt.lookup_table())
-    splits = {name: EncodedSplit(_mapped(split.src, src_table), _mapped(split.tgt, tgt_table), split.cut_targets)
+    splits = {name: EncodedSplit(_mapped(split.src, src_table), _mapped(split.tgt, tgt_table))
               for name, split in {**encoded.splits, "train": train}.items()}
     return EncodedCorpus(src, tgt, splits, encoded.cache_file, encoded.from_cache)
