@@ -262,6 +262,9 @@ def test_truncation_cuts_and_counts():
     assert d["tokens_removed_share"] == pytest.approx(7 / 25) and d["overlong"] == "truncate"
     _, none = limit_lengths(split, None, None)
     assert none.pairs == 0
+    # a cut target keeps its </s> (as Hugging Face tokenizers truncate; padding there measured worse: README)
+    batch = collate(cut.src, cut.tgt, PAD, BOS, EOS)
+    assert batch.tgt_out[1].tolist() == [0, 1, 2, 3, 4, 5, EOS] and batch.src[0].tolist() == [0, 1, 2, 3, 4, EOS]
 
 
 def test_overlong_pairs_can_be_dropped_instead():

@@ -184,7 +184,9 @@ def limit_lengths(
     split: EncodedSplit, max_src_len: int | None, max_tgt_len: int | None, overlong: str = "truncate"
 ) -> tuple[EncodedSplit, LengthLimitStats]:
     """Sources over ``max_src_len`` and targets over ``max_tgt_len`` tokens (special tokens not counted) are cut
-    to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``)."""
+    to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``). Each side is cut on its own, and a
+    cut sentence keeps its </s> (collate adds it), as Hugging Face tokenizers truncate: labelling a cut target's
+    end with padding instead left the model unable to end long sentences (README, memory strategies)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"memory.overlong={overlong}: expected truncate or drop")
     src, tgt = [], []
