@@ -41,4 +41,3 @@ class DataError(UserError):
 
 class NumericalError(UserError):
     """NaN or infinite losses or gradients beyond what trainer.on_nonfinite allows."""
-
