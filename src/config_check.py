@@ -1,5 +1,5 @@
 """Command-line overrides checked before anything runs: every problem, each as one line that names the key and the
-fix.
+fix; and the keys of model and memory option files (``check_known_keys``), checked before the data is read.
 
 Hydra reports a mistyped key or option over several lines and suggests appending it (``+model.dmodel=5``); a value
 of the wrong type (``trainer.max_steps=abc``) it accepts, and the run fails later. Here the overrides are composed
@@ -373,7 +373,7 @@ def check_known_keys(group: str, given, known) -> None:
         if (CONF / key).is_dir():
             hint = (f"{key} is a group of its own: an option of {group} that sets {key} keys needs "
                     f"'# @package _global_' at its top, with its own keys under '{group}:'"
-                    + (" (as conf/memory/tokens.yaml)" if group == "memory" else ""))
+                    + (" (see the package line of conf/memory/tokens.yaml)" if group == "memory" else ""))
         elif close := difflib.get_close_matches(key, known, n=1):
             hint = f"did you mean {group}.{close[0]}?"
         else:

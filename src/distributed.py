@@ -49,7 +49,8 @@ class World:
     def local_main_first(self):
         """Each machine's first process (LOCAL_RANK 0) runs the body before the others, which then run it too:
         reading and tokenizing a corpus once per machine, into the cache the others then load, instead of once
-        per GPU at the same time. An error in the first still lets the others go on (to fail the same way)."""
+        per GPU at the same time (machines sharing a cache tokenize once between them: the cache file's lock,
+        src/data/encode.py). An error in the first still lets the others go on (to fail the same way)."""
         if self.distributed and self.local_rank != 0:
             self.barrier()
         try:
