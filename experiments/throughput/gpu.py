@@ -113,6 +113,7 @@ def main() -> None:
               f"trainer.max_steps={args.steps}", f"trainer.eval_every={args.steps}", "logger=none",
               f"trainer.limit_eval={EVAL_PAIRS}",  # BLEU is not what these runs measure: decode little
               *([f"trainer.peak_tflops={peak / 1e12:g}"] if peak else [])]  # the run's own MFU, as a user would see it
+
     def failed(part: str, error: str, output: str) -> None:
         """A part that failed: its error in the table, the end of its output in results_gpu.json."""
         results["failed"][part] = error
@@ -171,7 +172,7 @@ def main() -> None:
             metrics = run_dir / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
             losses.append([r["loss"] for r in rows if "loss" in r])
-        compared = exits == [0, 0] and losses[0] and len(losses[0]) == len(losses[1])  # else nothing was
+        compared = exits == [0, 0] and losses[0] and len(losses[0]) == len(losses[1])  # else nothing to compare
         results["determinism"] = {"exit_codes": exits, "steps": [len(x) for x in losses],
                                   "losses_equal": bool(compared) and losses[0] == losses[1],
                                   "largest_difference": max((abs(a - b) for a, b in zip(*losses)), default=None)}
