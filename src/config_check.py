@@ -163,7 +163,7 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
             if not found:
                 raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
             group, name = found.groups()
-            options = getattr(e, "options", None) or sorted(f.stem for f in (CONF / group).glob("*.yaml"))
+            options = getattr(e, "options", None) or _options(group)
             problems.append(f"{group}={name}: no such option; {group} is one of {', '.join(options)}")
             wrong = group
         except ConfigCompositionException as e:
@@ -220,13 +220,18 @@ def _group_problem(override: str) -> str | None:
     group = key.lstrip("+")
     if not value or "." in group or not (CONF / group).is_dir():
         return None
-    options = ", ".join(sorted(f.stem for f in (CONF / group).glob("*.yaml")))
     if key != group:
         return f"{override}: {group} is chosen without +: {group}={value}"
     if "null" in [v.strip() for v in value.strip("[]").split(",")]:
         default = "no preset" if group in PRESETS else "its default"
-        return f"{override}: a group takes its options ({group} is one of {options}); leave {group} out for {default}"
+        return (f"{override}: a group takes its options ({group} is one of {', '.join(_options(group))}); leave "
+                f"{group} out for {default}")
     return None
+
+
+def _options(group: str) -> list[str]:
+    """The options of a config group: its files in conf/<group>/."""
+    return sorted(f.stem for f in (CONF / group).glob("*.yaml"))
 
 
 # mappings whose keys are the user's to name: a spaCy pipeline per language (+tokenizer.models.de=de_core_news_sm)

@@ -143,11 +143,7 @@ def train(cfg: DictConfig) -> dict:
         with process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             if world.main:
-                try:
-                    hold_run_dir(run_dir, held)
-                except RunDirBusy:
-                    busy = True
-                    raise
+                hold_run_dir(run_dir, held)
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
             resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
@@ -175,6 +171,9 @@ def train(cfg: DictConfig) -> dict:
             summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary,
                                 relabel=relabel))
         summary["status"] = "completed"
+    except RunDirBusy:  # another live process's directory: nothing is written there
+        busy = True
+        raise
     except torch.OutOfMemoryError as e:
         summary.update(status="oom", error=str(e).splitlines()[0])
         log.error("out of memory: %s", summary["error"])
