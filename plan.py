@@ -24,7 +24,7 @@ from src.config_check import check_command_line, preset_sweep, sweep_jobs
 from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
-from src.planner import cost_note
+from src.planner import Estimate, cost_note
 from src.planning import context_gb, plan_config
 from src.settings import resolve_config
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu, overhead, context = conf["plan"]["gpu_gb"], conf["plan"]["overhead"], context_gb(conf["plan"])
         if strategy.auto:  # its choice is checked against the budget it was chosen for, not plan.gpu_gb
             gpu = strategy.budget_gb
-        print_one(*rows[0], gpu, overhead, context)
+        print_one(conf, strategy, est, rows[0][4], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             print_fix(job, gpu, context, est)
     else:
@@ -99,7 +99,7 @@ DEVICE_NOTE = {"cuda": "for CUDA (plan.device: attention in fused kernels)",
                "cpu": "as on the CPU (plan.device: attention keeps its weights when it has dropout)"}
 
 
-def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
+def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
     s = est.shape
     print(f"model={conf['model']['name']} ({est.parameters / 1e6:.1f}M parameters, vocabularies "
           f"{info['src_vocab']:,}/{info['tgt_vocab']:,}), memory: {strategy.label}"
@@ -125,7 +125,7 @@ def print_one(job, conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{cost_note(strategy)}")
 
 
-def print_fix(job: list[str], gpu: float, context: float, configured) -> None:
+def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) -> None:
     """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
     estimate of the configured setting just printed."""
     if gpu <= context:

@@ -149,14 +149,46 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
     exist is left out of the next compose, with the keys under it (checked once it is fixed), until the rest
     composes; then every value is checked. ``unread``: a key added with + that nothing reads is a problem (a
     sweep's job leaves that to ``_unread_by_every_job``)."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException
-
     refused = {o: problem for o in overrides if (problem := _group_problem(o))}
     problems, overrides = list(refused.values()), [o for o in overrides if o not in refused]
+    cfg, overrides = _compose_leaving_out_unknown(overrides, problems)
+    # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
+    # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
+    groups = [o for o in overrides if _group_choice(o)]
+    defaults = _defaults(tuple(groups))
+    group_defaults = _defaults(tuple(o for o in groups if o.split("=")[0] not in PRESETS))
+    given = OmegaConf.to_container(cfg, resolve=False)
+    for override in overrides:
+        if _group_choice(override):
+            continue
+        if unread and override.startswith("+") and (not_read := _unread_key(override, defaults, groups)):
+            problems.append(not_read)
+            continue
+        key = override.split("=")[0].lstrip("+~")
+        default = _get(group_defaults, key)
+        group, _, leaf = key.partition(".")
+        if leaf == "name" and (CONF / group).is_dir() and _get(given, key) != default:
+            # the loader follows data.name, but the keys are the chosen option's: data.name=multi30k alone read
+            # Multi30k without data.root, which the synthetic option does not have
+            problems.append(f"{override}: {key} names the option chosen; choose it with {group}={_get(given, key)}")
+            continue
+        try:
+            _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
+        except ConfigError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
+    """The config composed from ``overrides``, and the overrides it was composed from: a key or option that does not
+    exist is added to ``problems`` and left out, with the keys under it, until the rest composes. Raises
+    ``ConfigError`` with the problems found where nothing is left to leave out."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
     while True:
         try:
-            cfg = _compose(overrides)
-            break
+            return _compose(overrides), overrides
         except MissingConfigException as e:
             # "Could not find 'memory/amd'" for one option; "Could not load 'memory/acum'" for one of a list
             found = re.search(r"Could not (?:find|load) '([^']+)/([^/']+)'", str(e))
@@ -184,32 +216,6 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
         if len(rest) == len(overrides):  # nothing to leave out: what is known so far
             raise ConfigError("\n".join(problems))
         overrides = rest
-    # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
-    # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
-    groups = [o for o in overrides if _group_choice(o)]
-    defaults = _defaults(tuple(groups))
-    group_defaults = _defaults(tuple(o for o in groups if o.split("=")[0] not in PRESETS))
-    given = OmegaConf.to_container(cfg, resolve=False)
-    for override in overrides:
-        if _group_choice(override):
-            continue
-        if unread and override.startswith("+") and (not_read := _unread_key(override, defaults, groups)):
-            problems.append(not_read)
-            continue
-        key = override.split("=")[0].lstrip("+~")
-        default = _get(group_defaults, key)
-        group, _, leaf = key.partition(".")
-        if leaf == "name" and (CONF / group).is_dir() and _get(given, key) != default:
-            # the loader follows data.name, but the keys are the chosen option's: data.name=multi30k alone read
-            # Multi30k without data.root, which the synthetic option does not have
-            problems.append(f"{override}: {key} names the option chosen; choose it with {group}={_get(given, key)}")
-            continue
-        try:
-            _check_type(key, _get(defaults, key) if default is _MISSING else default, _get(given, key))
-        except ConfigError as e:
-            problems.append(str(e))
-    if problems:
-        raise ConfigError("\n".join(problems))
 
 
 def _group_problem(override: str) -> str | None:

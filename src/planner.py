@@ -178,7 +178,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         trainer.check_finite = False  # reading a value back to the host: fake tensors have none (a few scalars)
         # Two equal micro-batches show all accumulation does to memory (the gradients held between micro-batches);
         # more of them repeat the second one, each holding its token ids besides (a few kB the plan leaves out).
-        micro = [_fake_batch(shape, args) for _ in range(min(shape.accum_steps, 2))]
+        micro = [_fake_batch(shape) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
         tracker = tracked_step(trainer, micro, marks=marks)
@@ -327,7 +327,8 @@ CLASSIC_CASES = [
 ]
 
 
-def _fake_batch(shape: StepShape, args: ModelArgs) -> Batch:
+def _fake_batch(shape: StepShape) -> Batch:
+    """A batch of ``shape`` with uninitialized token ids (shapes are all a FakeTensorMode step reads)."""
     b, s, t = shape.pairs, shape.src_len, shape.tgt_len
     src = torch.empty((b, s), dtype=torch.long)
     tgt_in = torch.empty((b, t), dtype=torch.long)
@@ -445,13 +446,19 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         candidate, est = plan(extra, doublings[hi])
         record(candidate, est)
         return candidate, est, tried
-    # no stage fits, not even with micro-batches of one pair: the least memory any setting needs
-    lowest, floor = min((plan(extra, one_pair) for extra in stages), key=lambda planned: planned[1].peak_bytes)
+    raise _nothing_fits(base, min((plan(extra, one_pair) for extra in stages), key=lambda planned: planned[1].peak_bytes),
+                        world_size)
+
+
+def _nothing_fits(base: MemoryStrategy, smallest: tuple[MemoryStrategy, Estimate], world_size: int) -> ConfigError:
+    """choose_strategy's error when no stage fits, not even with micro-batches of one pair: ``smallest`` is the
+    setting that needs the least memory, with its estimate."""
+    lowest, floor = smallest
     largest = [f"{cat} {mb:,.0f}" for cat, mb in sorted(floor.split_mb().items(), key=lambda kv: -kv[1])[:3] if mb > 0]
     others = [hint for hint, applied in (("memory=chunked_ce (a large vocabulary's logits)", base.loss_chunk),
                                          ("memory=trim_vocab (tokenizer=xlmr's embeddings)", base.trim_vocab),
                                          ("memory=fsdp (over several GPUs)", base.fsdp)) if not applied]
-    raise ConfigError(
+    return ConfigError(
         f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
         f"{dataclasses.replace(lowest, accum_steps=floor.shape.accum_steps).label} with micro-batches of one "
         f"pair, needs an estimated {floor.peak_mb:,.0f} MiB before overheads"

@@ -174,15 +174,8 @@ def train(cfg: DictConfig) -> dict:
     except RunDirBusy:  # another live process's directory: nothing is written there
         busy = True
         raise
-    except torch.OutOfMemoryError as e:
-        summary.update(status="oom", error=str(e).splitlines()[0])
-        log.error("out of memory: %s", summary["error"])
-        raise
-    except KeyboardInterrupt:
-        summary.update(status="interrupted")
-        raise
-    except Exception as e:
-        summary.update(status="failed", error=str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+    except BaseException as e:
+        summary.update(_failure(e))
         raise
     finally:
         torch.set_num_threads(threads)
@@ -202,6 +195,19 @@ def train(cfg: DictConfig) -> dict:
             logger.finish(summary)
         held.close()
     return summary
+
+
+def _failure(e: BaseException) -> dict:
+    """The summary's status (and error) for a run stopped by ``e``."""
+    if isinstance(e, torch.OutOfMemoryError):
+        error = str(e).splitlines()[0]
+        log.error("out of memory: %s", error)
+        return {"status": "oom", "error": error}
+    if isinstance(e, KeyboardInterrupt):
+        return {"status": "interrupted"}
+    if isinstance(e, Exception):
+        return {"status": "failed", "error": str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"}
+    return {}  # SystemExit, GeneratorExit: the summary stays "failed", without an error
 
 
 RUN_LOCK = ".lock"  # in the run directory: held by the process that runs there (hold_run_dir)
