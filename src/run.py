@@ -210,6 +210,17 @@ def _failure(e: BaseException) -> dict:
     return {}  # SystemExit, GeneratorExit: the summary stays "failed", without an error
 
 
+def _accum_from_here(p: Progress, configured: int) -> int:
+    """A resumed run's accumulation: memory.accum_steps as configured now (memory=accum added to fit), or the last
+    out-of-memory back-off's where that raised it higher (the run ran out of memory with fewer)."""
+    backed_off = p.backoffs[-1]["accum_steps"] if p.backoffs else 0
+    kept = max(configured, backed_off)
+    if p.accum_steps != kept:
+        log.info("accum_steps %d from here (the checkpoint's %d%s)", kept, p.accum_steps,
+                 ", raised by an out-of-memory back-off" if kept == backed_off > configured else "")
+    return kept
+
+
 RUN_LOCK = ".lock"  # in the run directory: held by the process that runs there (hold_run_dir)
 
 
@@ -444,15 +455,7 @@ class TrainingRun:
             self.trainer.scaler.load_state_dict(ckpt["scaler"])
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         self.p = p = Progress.from_checkpoint(ckpt)
-        # memory.accum_steps as configured now (memory=accum added to fit): the checkpoint's only where an
-        # out-of-memory back-off raised it above that (it ran out of memory with fewer)
-        configured_accum = self.strategy.accum_steps
-        backed_off = p.backoffs[-1]["accum_steps"] if p.backoffs else 0  # the last back-off's: what fit then
-        kept = max(configured_accum, backed_off)
-        if p.accum_steps != kept:
-            log.info("accum_steps %d from here (the checkpoint's %d%s)", kept, p.accum_steps,
-                     ", raised by an out-of-memory back-off" if kept == backed_off > configured_accum else "")
-            p.accum_steps = kept
+        p.accum_steps = _accum_from_here(p, self.strategy.accum_steps)
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)
         if not restore_rng_state(ckpt, world.rank, self.conf["seed"]):
@@ -468,9 +471,7 @@ class TrainingRun:
                 stale.name for stale in removed), p.step)
         if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations
             log.info("no %s in this run: the best checkpoint will be among this run's validations", best_path.name)
-            fresh = Progress()
-            p.best_bleu, p.best_step, p.valid_scores, p.last_eval_step = (
-                fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
+            p.forget_validations()
         log.info("resuming from %s (step %d, epoch %d, %d batches of the epoch done)", path, p.step, p.epoch,
                  p.batches_done)
         last_epoch_done = (self.max_epochs and p.epoch + 1 >= self.max_epochs

@@ -47,6 +47,12 @@ class Progress:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def forget_validations(self) -> None:
+        """No validation yet: the best checkpoint will be among the validations from here on."""
+        fresh = Progress()
+        self.best_bleu, self.best_step, self.valid_scores, self.last_eval_step = (
+            fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
+
     @classmethod
     def from_checkpoint(cls, ckpt: dict) -> Progress:
         """A checkpoint's progress. Counted in batches, it resumes with any number of ranks; checkpoints written
