@@ -7,6 +7,7 @@ from __future__ import annotations
 import platform
 import socket
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -40,6 +41,22 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# The packages that compute a run's figures or score them (torch is its own key): their versions in summary.json
+PACKAGES = ("hydra-core", "omegaconf", "numpy", "sacrebleu", "spacy", "transformers", "tokenizers", "sentencepiece",
+            "wandb")
+
+
+def package_versions() -> dict[str, str | None]:
+    """The installed version of each of ``PACKAGES``; null for one not installed (a GPU machine without spaCy)."""
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {name: version(name) for name in PACKAGES}
+
+
 def environment(device: torch.device) -> dict:
     """The run's code, software and hardware, as summary.json records them."""
     cuda = device.type == "cuda"
@@ -47,6 +64,7 @@ def environment(device: torch.device) -> dict:
         **git_state(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "packages": package_versions(),
         "cuda": torch.version.cuda if cuda else None,
         "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
         "cpu": cpu_name(),

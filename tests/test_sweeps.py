@@ -415,6 +415,44 @@ def test_a_preset_reproduces_its_loss_curve(tmp_path, shared_cache):
     assert curve("c", "seed=99") != first
 
 
+def run_record(run_dir: Path) -> tuple[list[tuple], dict, dict]:
+    """What a run computed: its training rows (step, loss, grad_norm), its scores and its final weights."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    curve = [(r["step"], r["loss"], r["grad_norm"]) for r in rows if "loss" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    scores = {k: summary[k] for k in ("valid_bleu", "valid_chrf", "test_bleu", "test_chrf")}
+    last = max((run_dir / "checkpoints").glob("step_*.pt"))
+    return curve, scores, torch.load(last, weights_only=True)["model"]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    (curve_a, scores_a, weights_a), (curve_b, scores_b, weights_b) = run_record(a), run_record(b)
+    assert curve_a == curve_b and scores_a == scores_b
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+@pytest.mark.slow
+def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tmp_path, shared_cache):
+    """Reproducible as labs rerun: a sweep's second job, which runs in the process after the first (memory=accum,
+    with other batches, threads, autocast state), equals the same settings run alone, to the bit; and so does the
+    run started again from its .hydra/config.yaml (the README's recipe)."""
+    common = [*FAST, "trainer.threads=1", f"paths.cache_dir={shared_cache}"]
+    sweep = tmp_path / "sweep"
+    proc = run_cli("train.py", "-m", "memory=accum,none", *common, f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone = tmp_path / "alone"
+    proc = run_cli("train.py", "memory=none", *common, f"hydra.run.dir={alone}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((sweep / "1" / "summary.json").read_text())["strategy"] == "none"
+    assert_same_run(sweep / "1", alone)
+
+    rerun = tmp_path / "rerun"
+    proc = run_cli("train.py", "--config-path", str(alone / ".hydra"), "--config-name", "config",
+                   f"hydra.run.dir={rerun}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(rerun, alone)
+
+
 def test_repeated_settings_keep_one_row_per_job(tmp_path):
     """Report rows are per job directory, including jobs whose overrides are identical (repeats of one setting)."""
     sweep = tmp_path / "sweep"

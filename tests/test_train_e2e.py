@@ -43,6 +43,9 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert env["git_commit"] == head and len(head) == 40 and isinstance(env["git_dirty"], bool)
     assert env["torch"] == torch.__version__ and env["cuda"] is None and env["device_name"] == env["cpu"] != ""
+    import hydra
+    import sacrebleu
+    assert env["packages"]["hydra-core"] == hydra.__version__ and env["packages"]["sacrebleu"] == sacrebleu.__version__
     # every file it wrote has the mode of a file made with open() here: a lab's group can read checkpoints and
     # summaries (written through temporary files, which mkstemp makes 0o600)
     probe = tmp_path / "probe"
