@@ -48,8 +48,8 @@ def _clean(value):
 
 
 def hydra_job() -> dict:
-    """What Hydra says about the job this process runs: its overrides and, in a multirun, the sweep directory
-    and job number. Empty outside Hydra (``train(cfg)`` called from Python)."""
+    """What Hydra says about the job this process runs: its overrides, its run directory and, in a multirun, the
+    sweep directory and job number. Empty outside Hydra (``train(cfg)`` called from Python)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -59,6 +59,7 @@ def hydra_job() -> dict:
     multirun = hc.mode == RunMode.MULTIRUN
     return {
         "overrides": list(hc.overrides.task),
+        "output_dir": hc.runtime.output_dir,
         "sweep_dir": str(hc.sweep.dir) if multirun else None,
         "job_num": hc.job.num if multirun else None,
     }

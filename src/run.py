@@ -110,6 +110,10 @@ def train(cfg: DictConfig) -> dict:
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     job = hydra_job()
+    if job and Path(job["output_dir"]).resolve() != run_dir.resolve():
+        log.warning("this run writes into paths.output_dir=%s, not into Hydra's run directory %s: a config that "
+                    "fixes paths.output_dir (a run's config.yaml) writes into that run; to run a run again, give "
+                    "its .hydra/config.yaml (README, Experiment presets)", run_dir, job["output_dir"])
     summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
     logger: RunLogger | None = None
     # False while this attempt may still be refused before it starts (a resume whose checkpoint does not fit):

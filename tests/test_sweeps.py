@@ -452,6 +452,15 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(rerun, alone)
 
+    # the run's own config.yaml fixes its directory: said, and refused before anything of the run is touched
+    before = {f: f.stat().st_mtime_ns for f in (alone / "checkpoints").iterdir()}
+    proc = run_cli("train.py", "--config-path", str(alone), "--config-name", "config", f"hydra.run.dir={tmp_path / 'x'}")
+    said = proc.stdout + proc.stderr  # (Hydra's own logging, not conf/hydra's: the config chosen is not conf/'s)
+    assert proc.returncode == 1
+    assert f"this run writes into paths.output_dir={alone}, not into Hydra's run directory {tmp_path / 'x'}" in said
+    assert "holds an earlier run's checkpoints" in said
+    assert {f: f.stat().st_mtime_ns for f in (alone / "checkpoints").iterdir()} == before
+
 
 def test_repeated_settings_keep_one_row_per_job(tmp_path):
     """Report rows are per job directory, including jobs whose overrides are identical (repeats of one setting)."""
