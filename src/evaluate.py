@@ -272,12 +272,20 @@ def translate(
     return out
 
 
+# Languages written without spaces between words that sacreBLEU has no word tokenizer for offline (its flores200
+# model is downloaded): BLEU over characters. 13a would see each sentence as one word, and score a perfect
+# translation 0.
+CHARACTER_BLEU = frozenset({"th", "lo", "km", "my", "bo", "dz"})
+
+
 def bleu_metric(lowercase: bool = False, tgt_lang: str | None = None):
     """sacreBLEU's BLEU with the tokenizer it uses for the target language, as its command line does with ``-l``:
     13a, or ``zh``, ``ja-mecab``, ``ko-mecab`` for Chinese, Japanese, Korean (the last two need ``sacrebleu[ja]``,
-    ``sacrebleu[ko]``: ``check_scoring`` says so before training)."""
+    ``sacrebleu[ko]``: ``check_scoring`` says so before training); ``char`` for ``CHARACTER_BLEU``'s languages."""
     from sacrebleu.metrics import BLEU
 
+    if tgt_lang in CHARACTER_BLEU:
+        return BLEU(lowercase=lowercase, tokenize="char")
     return BLEU(lowercase=lowercase, trg_lang=tgt_lang or "")
 
 

@@ -143,6 +143,17 @@ def learn_glue(docs: Sequence[tuple[Sequence[str], bytes]]) -> tuple[set[str], s
     return glue_left, glue_right, paired
 
 
+def learn_spacing(docs: Sequence[tuple[Sequence[str], bytes]]) -> tuple[bool, set[str], set[str]]:
+    """Whether the text separates its tokens with spaces (most gaps between two tokens of a line hold one; not so in
+    Chinese, Japanese or Thai, whose spaces are the exception), and for text that does not: the tokens that take a
+    space before them, and those that take one after (a Latin word set apart in Chinese text, say). Rare tokens
+    take none."""
+    gaps = [(a, b, bool(space)) for tokens, spaces in docs for a, b, space in zip(tokens, tokens[1:], spaces)]
+    if 2 * sum(space for _, _, space in gaps) >= len(gaps):
+        return True, set(), set()
+    return False, _mostly((b, space) for _, b, space in gaps), _mostly((a, space) for a, _, space in gaps)
+
+
 class SpacyCodec(Codec):
     bos_id, pad_id, eos_id, unk_id = BOS, PAD, EOS, UNK
 
@@ -155,12 +166,17 @@ class SpacyCodec(Codec):
         model: str | None = None,
         lowercase: bool = False,
         paired: Iterable[str] = (),
+        spaced: bool = True,
+        space_left: Iterable[str] = (),
+        space_right: Iterable[str] = (),
     ):
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"vocabulary must start with {SPECIALS}")
         self.lang, self.itos, self.model, self.lowercase = lang, list(itos), model, lowercase
         self.stoi = {tok: i for i, tok in enumerate(self.itos)}
         self.glue_left, self.glue_right, self.paired = set(glue_left), set(glue_right), set(paired)
+        # text written without spaces between words (learn_spacing): tokens join, but for those that take a space
+        self.spaced, self.space_left, self.space_right = spaced, set(space_left), set(space_right)
         self._tokenizer = None
 
     @property
@@ -219,13 +235,17 @@ class SpacyCodec(Codec):
         codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
         docs = list(codec.token_lines(texts))
         counts = Counter(text for tokens, _ in docs for text in tokens)
+        if docs and counts.total() < 1.5 * len(docs):  # Thai given as xx, which splits at spaces only
+            log.warning("spaCy's '%s' tokenizer made %.1f tokens per training sentence: the vocabulary holds whole "
+                        "sentences, as this text has almost no spaces; give the language's own code (data.src_lang / "
+                        "data.tgt_lang), or use tokenizer=xlmr", lang, counts.total() / len(docs))
         words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(SPECIALS))]
         glue_left, glue_right, paired = learn_glue(docs)
-        return cls(
-            lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase, sorted(paired)
-        )
+        spaced, space_left, space_right = learn_spacing(docs)
+        return cls(lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase,
+                   sorted(paired), spaced, sorted(space_left), sorted(space_right))
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -235,6 +255,9 @@ class SpacyCodec(Codec):
         return [[stoi.get(t.text, unk) for t in doc] for doc in self.tokenize_docs(texts)]
 
     def detokenize(self, tokens: Sequence[str]) -> str:
+        if not self.spaced:
+            return "".join(f" {tok}" if i and (tokens[i - 1] in self.space_right or tok in self.space_left) else tok
+                           for i, tok in enumerate(tokens))
         out: list[str] = []
         opened: set[str] = set()  # paired tokens (quotes) opened and not yet closed
         prev_glues_right = True  # no space before the first token
@@ -274,6 +297,9 @@ class SpacyCodec(Codec):
             "glue_left": sorted(self.glue_left),
             "glue_right": sorted(self.glue_right),
             "paired": sorted(self.paired),
+            "spaced": self.spaced,
+            "space_left": sorted(self.space_left),
+            "space_right": sorted(self.space_right),
         }
 
 
@@ -455,6 +481,7 @@ def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
         return SpacyCodec(
             state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"],
             state.get("paired", ()),  # vocabularies saved before quotes were paired
+            state.get("spaced", True), state.get("space_left", ()), state.get("space_right", ()),  # (or spacing)
         )
     if state["type"] == "hf":
         local = directory / "hf" if directory is not None else None

@@ -1,5 +1,6 @@
 """spaCy word vocabularies with learned detokenization; the XLM-R tokenizer loaded through the real code path."""
 
+import json
 import os
 from pathlib import Path
 
@@ -52,6 +53,42 @@ def test_detokenization_is_learned_from_the_training_text():
         assert codec.decode(codec.encode([sentence])[0]) == sentence
     ids = codec.encode(["Ein Mann wartet."])[0]
     assert codec.decode([codec.bos_id, *ids, codec.eos_id, codec.pad_id, 7]) == "Ein Mann wartet."
+
+
+def test_text_without_spaces_between_words_is_joined_without_them():
+    """Chinese, Japanese, Thai: most gaps between tokens hold no space, so tokens join unless they were seen set
+    apart (a Latin word in Chinese text). Before, every token not learned to glue took a space: '我喜欢 猫。'."""
+    lines = ["我喜欢猫。", "今天我去市场。", "猫在垫子上睡觉。", "我们喜欢 Python 和猫。", "他们用 Python 写代码。",
+             "我在学 Python 编程。", "孩子们在公园里玩。"]
+    codec = SpacyCodec.build(lines, "zh")
+    assert not codec.spaced
+    for line in lines:
+        assert codec.decode(codec.encode([line])[0]) == line
+    assert codec.decode(codec.encode(["我喜欢狗。"])[0]) == "我喜欢⁇。"  # an unknown word: no space either
+    again = codec_from_state(json.loads(json.dumps(codec.state())))
+    assert again.detokenize(codec.tokenize(["我们喜欢 Python 和猫。"])[0]) == "我们喜欢 Python 和猫。"
+    assert SpacyCodec.build(TEXT, "de").spaced
+
+
+def test_a_tokenizer_that_splits_nothing_is_said(caplog):
+    """Thai given as xx (spaCy's multi-language code, which splits at spaces): a vocabulary of whole sentences,
+    which trained without a word before."""
+    SpacyCodec.build(["แมวนอนบนเสื่อ", "วันนี้ฉันไปตลาด", "ฉันชอบชาเขียว"], "xx")
+    assert "spaCy's 'xx' tokenizer made 1.0 tokens per training sentence" in caplog.text
+    caplog.clear()
+    SpacyCodec.build(TEXT, "de")
+    assert "tokens per training sentence" not in caplog.text
+
+
+@pytest.mark.parametrize("lang", ["th", "lo", "km", "my"])
+def test_bleu_of_a_language_without_spaces_counts_characters(lang):
+    """13a saw each Thai sentence as one word: a perfect translation scored BLEU 0."""
+    from src.evaluate import score
+
+    refs = ["แมวนอนบนเสื่อ", "วันนี้ฉันไปตลาด"]
+    got = score(refs, refs, tgt_lang=lang)
+    assert got["bleu"] == 100 and "tok:char" in got["bleu_signature"]
+    assert score(["แมวนอนบนเสื่อ", "วันนี้ฉันไปตลา"], refs, tgt_lang=lang)["bleu"] > 50  # one character wrong
 
 
 def bleu_words(hypothesis: str) -> int:
