@@ -146,6 +146,9 @@ FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found (nor train.de.gz)"),
     ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),
     ("parallel files of different lengths", {"train.de": "a\nb\nc\n"}, "{data}/train.de has 3 lines but"),
+    ("parallel files of different lengths, by blank lines at the end", {"train.de": "a\nb\n\n\n"},
+     "{data}/train.de has 4 lines but {data}/train.en has 2 (the last 2 line(s) of {data}/train.de are empty: blank "
+     "lines at its end?); parallel files must have one sentence per line, line for line"),
     ("text that is not UTF-8", {"train.de": b"gut\n\xff\xfeschlecht\n"}, "{data}/train.de:2: invalid UTF-8 (byte 0xff)"),
     ("UTF-16 text of a script that fits one byte of each pair (no byte-order mark)",
      {"train.de": "Привет мир\nКак дела\n".encode("utf-16-le")},

@@ -173,8 +173,12 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
     translation, an empty reference is scored as one, as translate.py translates and scores such files."""
     src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     if len(src) != len(tgt):
+        longer_path, longer = (src_path, src) if len(src) > len(tgt) else (tgt_path, tgt)
+        extra = longer[min(len(src), len(tgt)):]
+        blank = "" if any(line.strip() for line in extra) else (
+            f" (the last {len(extra)} line(s) of {longer_path} are empty: blank lines at its end?)")
         raise DataError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}{blank}; "
             "parallel files must have one sentence per line, line for line"
         )
     keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
