@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not to_stdout and Path(args.output).is_dir():  # said now, not after decoding
             raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")
+        for flag, path in (("--input", args.input), ("--reference", args.reference)):
+            if (not to_stdout and path not in (None, "-") and Path(path).exists() and Path(args.output).exists()
+                    and Path(path).samefile(args.output)):
+                raise UserError(f"--output {args.output}: is the {flag} file; the translations would replace it")
         device = resolve_device(args.device, key="--device ")
         files = [f for p in args.checkpoint for f in checkpoint_files(Path(p).expanduser().resolve())]
         model, src_codec, tgt_codec, ckpt = load_translator(files, device, args.tokenizer)
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         references = read_lines(args.reference) if args.reference else None
         if references is not None and len(references) != len(sources):
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
+        if references is not None and (blank := [i for i, r in enumerate(references, 1) if not r.strip()]):
+            print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
+                  "each scored as a reference of no words", file=sys.stderr)
         with torch.inference_mode():  # a blank line: an empty translation
             hyps = translate(model, sources, src_codec, tgt_codec, device,
                              source_name="standard input" if args.input == "-" else args.input,

@@ -4,6 +4,7 @@ checkpoint can never run code when it is loaded."""
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch
 
 from .errors import UserError
 from .fileio import atomic_path
+
+log = logging.getLogger(__name__)
 
 
 def save_checkpoint(path: Path, **state) -> None:
@@ -78,6 +81,9 @@ def checkpoint_files(path: Path) -> list[Path]:
         tested = None
     if tested and all((ckpt_dir / name).is_file() for name in tested):
         return [ckpt_dir / name for name in tested]
+    if tested and tested != ["best.pt"]:
+        log.warning("%s: %s, which the run tested with (summary.json), is missing; best.pt instead, which scores "
+                    "otherwise", ckpt_dir, ", ".join(n for n in tested if not (ckpt_dir / n).is_file()))
     if (ckpt_dir / "best.pt").is_file():
         return [ckpt_dir / "best.pt"]
     raise UserError(f"{path}: a directory without checkpoints/best.pt (written at a run's first validation); "
@@ -116,6 +122,13 @@ def unreadable_because(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+def _run_step(ckpt: dict) -> tuple[str | None, int | None]:
+    """The directory of the run that wrote a checkpoint (as it was then: moving the run does not change it) and
+    its step; nulls for a checkpoint that does not say."""
+    directory = ((ckpt.get("config") or {}).get("paths") or {}).get("output_dir")
+    return directory, (ckpt.get("progress") or {}).get("step")
+
+
 def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
     """The first checkpoint, its model weights replaced by the mean of all the checkpoints' (floating-point
     tensors; the rest as in the first). They are read one at a time: two in memory at once, however many."""
@@ -123,6 +136,7 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
     if len(paths) == 1:
         return first
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
+    seen = {_run_step(first): first_path}
     for path in paths[1:]:
         ckpt = read_checkpoint(path, device)
         if ckpt["model_args"] != first["model_args"]:
@@ -130,6 +144,15 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
         if ckpt.get("vocab") != first.get("vocab"):
             raise UserError(f"{path}: another vocabulary than {first_path} (a run with another tokenizer); average "
                             "checkpoints of one run")
+        run_step = _run_step(ckpt)
+        if run_step[0] != _run_step(first)[0]:
+            raise UserError(f"{path}: another run than {first_path} ({run_step[0]}, not {_run_step(first)[0]}): the "
+                            "weights of separately trained models do not average into a model; average checkpoints "
+                            "of one run")
+        if run_step in seen and run_step[1] is not None:  # best.pt beside step_*.pt, say
+            raise UserError(f"{path}: step {run_step[1]} of the same run as {seen[run_step]} (best.pt is a copy of a "
+                            "step checkpoint); give each checkpoint once")
+        seen[run_step] = path
         for k, v in total.items():
             if v.is_floating_point():
                 v += ckpt["model"][k]

@@ -260,6 +260,10 @@ def translate(
     any decoding."""
     kept = [i for i, text in enumerate(texts) if text.strip()]
     sources = [torch.tensor(ids, dtype=torch.long) for ids in src_codec.encode([texts[i] for i in kept])]
+    unknown = [(i, n) for i, ids in zip(kept, sources) if (n := int((ids == src_codec.unk_id).sum()))]
+    if unknown:  # the model reads each as one token it was taught little about: its translation guesses
+        log.warning("%s: %d source word(s) not in the vocabulary, in %d line(s) (the first: line %d); each is read as "
+                    "the unknown token", source_name, sum(n for _, n in unknown), len(unknown), unknown[0][0] + 1)
     limit = model.args.max_positions if max_positions is None else max_positions or None
     for i, ids in zip(kept, sources, strict=True):
         if limit is not None and len(ids) + 1 > limit:

@@ -144,7 +144,7 @@ def translate_args(**flags) -> argparse.Namespace:
     return argparse.Namespace(**{**unset, **flags})
 
 
-def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, capsys):
+def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, capsys, caplog):
     from src.checkpoint import load_checkpoint, load_translator, save_checkpoint
 
     cfg = fast_cfg()
@@ -174,9 +174,29 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
     assert translate.main([str(tmp_path / "other_vocab.pt"), "--input", str(tmp_path / "test.de"), "--tokenizer",
                            str(Path(cfg.paths.output_dir) / "tokenizer")]) == 1
     assert "not the tokenizer of" in capsys.readouterr().err
+    # one checkpoint twice (best.pt is a copy of a step's: a shell's *.pt gives both), and another run's
+    assert translate.main([str(steps[0]), str(steps[0]), "--input", str(tmp_path / "test.de")]) == 1
+    assert f"{steps[0]}: step 3 of the same run as {steps[0]}" in capsys.readouterr().err
+    other = load_checkpoint(steps[0])
+    other["config"]["paths"]["output_dir"] = "/elsewhere/run"
+    save_checkpoint(tmp_path / "other_run.pt", **other)
+    assert translate.main([str(steps[0]), str(tmp_path / "other_run.pt"), "--input", str(tmp_path / "test.de")]) == 1
+    assert "other_run.pt: another run than" in capsys.readouterr().err
+
+    # said, not done silently: words the vocabulary lacks, empty reference lines, an output that is the input
+    (tmp_path / "ref.en").write_text("a man\n\n")
+    assert translate.main([str(steps[1]), "--input", str(tmp_path / "test.de"), "--reference",
+                           str(tmp_path / "ref.en"), "--device", "cpu"]) == 0
+    assert "ref.en: 1 empty reference line(s) (the first: line 2)" in capsys.readouterr().err
+    (tmp_path / "odd.de").write_text("ein Xylophon\nein Mann\nQuantencomputer Xylophon\n")
+    assert translate.main([str(steps[1]), "--input", str(tmp_path / "odd.de"), "--device", "cpu"]) == 0
+    assert "odd.de: 3 source word(s) not in the vocabulary, in 2 line(s) (the first: line 1)" in caplog.text
+    assert translate.main([str(steps[1]), "--input", str(tmp_path / "odd.de"), "--output", str(tmp_path / "odd.de")]) == 1
+    assert "odd.de: is the --input file" in capsys.readouterr().err
+    assert (tmp_path / "odd.de").read_text().startswith("ein Xylophon")
 
 
-def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path, capsys):
+def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_py_does(fast_cfg, tmp_path, capsys, caplog):
     """trainer.average_last=2: the test set is translated by the mean weights of the last two step checkpoints
     (the paper's practice, with 5), which translate.py given those two files reproduces, not by best.pt."""
     # 12 steps at a higher learning rate: models far enough apart that the average and best.pt (step 6) translate
@@ -195,6 +215,10 @@ def test_average_last_tests_the_mean_of_the_last_step_checkpoints_as_translate_p
                            "--device", "cpu"]) == 0
     assert out.read_text().splitlines() == hyps
     assert "step_00000010.pt, " in capsys.readouterr().err
+    # one of them gone: best.pt, said (it scores otherwise than summary.json)
+    (Path(cfg.paths.output_dir) / "checkpoints" / newest[0]).unlink()
+    assert translate.main([cfg.paths.output_dir, "--input", str(tmp_path / "test.de"), "--device", "cpu"]) == 0
+    assert f"{newest[0]}, which the run tested with (summary.json), is missing; best.pt instead" in caplog.text
 
 
 def test_strategies_compose_in_one_run(fast_cfg):
