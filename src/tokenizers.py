@@ -91,9 +91,16 @@ def spacy_tokenizer(lang: str, model: str | None = None):
         return spacy.blank(lang).tokenizer
     except ImportError as e:
         if "[E048]" in str(e):  # Can't import language ... from spacy.lang
-            raise ConfigError(f"spaCy has no language '{lang}'; check data.src_lang / data.tgt_lang") from None
+            code = lang.replace("_", "-").split("-")[0].lower()  # zh-CN, pt_BR, ZH: spaCy's codes have no region
+            hint = f"; spaCy's codes have no region or capitals: {code}?" if code != lang else ""
+            raise ConfigError(f"spaCy has no language '{lang}'{hint}; check data.src_lang / data.tgt_lang") from None
         # a language whose tokenizer needs another package (th: PyThaiNLP, ja: SudachiPy, ...)
-        raise ConfigError(f"spaCy's '{lang}' tokenizer: {str(e).strip().splitlines()[0]}") from None
+        install = f" ({SPACY_EXTRAS[lang]})" if lang in SPACY_EXTRAS else ""
+        raise ConfigError(f"spaCy's '{lang}' tokenizer: {str(e).strip().splitlines()[0]}{install}") from None
+
+
+# What spacy.blank(lang) needs besides spaCy, where its own message names no command
+SPACY_EXTRAS = {"th": "pip install pythainlp", "vi": "pip install pyvi"}
 
 
 def _mostly(cases: Iterable[tuple[str, bool]]) -> set[str]:

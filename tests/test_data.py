@@ -576,10 +576,15 @@ def test_pairs_with_an_empty_side_are_skipped_with_the_files_and_lines_named(tmp
 def test_a_spacy_language_that_needs_another_package_says_which():
     from src.tokenizers import spacy_tokenizer
 
-    with pytest.raises(ConfigError, match=r"^spaCy's 'th' tokenizer: The Thai tokenizer requires the PyThaiNLP"):
+    with pytest.raises(ConfigError, match=r"^spaCy's 'th' tokenizer: The Thai tokenizer requires the PyThaiNLP.*"
+                                          r"\(pip install pythainlp\)$"):
         spacy_tokenizer("th")
-    with pytest.raises(ConfigError, match=r"^spaCy has no language 'zz'"):
+    with pytest.raises(ConfigError, match=r"^spaCy has no language 'zz'; check"):
         spacy_tokenizer("zz")
+    for code in ("zh-CN", "ZH", "pt_BR"):  # a region or capitals: the code spaCy knows, suggested
+        with pytest.raises(ConfigError, match=rf"^spaCy has no language '{code}'; spaCy's codes have no region or "
+                                              rf"capitals: {code[:2].lower()}\?; check"):
+            spacy_tokenizer(code)
 
 
 def test_a_spacy_pipeline_that_is_not_installed_names_the_key_and_the_fallback():
