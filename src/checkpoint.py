@@ -136,6 +136,7 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
     if len(paths) == 1:
         return first
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
+    first_run = _run_step(first)[0]
     seen = {_run_step(first): first_path}
     for path in paths[1:]:
         ckpt = read_checkpoint(path, device)
@@ -145,8 +146,8 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
             raise UserError(f"{path}: another vocabulary than {first_path} (a run with another tokenizer); average "
                             "checkpoints of one run")
         run_step = _run_step(ckpt)
-        if run_step[0] != _run_step(first)[0]:
-            raise UserError(f"{path}: another run than {first_path} ({run_step[0]}, not {_run_step(first)[0]}): the "
+        if run_step[0] != first_run:
+            raise UserError(f"{path}: another run than {first_path} ({run_step[0]}, not {first_run}): the "
                             "weights of separately trained models do not average into a model; average checkpoints "
                             "of one run")
         if run_step in seen and run_step[1] is not None:  # best.pt beside step_*.pt, say
