@@ -48,8 +48,12 @@ def load_translator(path: str | Path | Sequence[str | Path], device: torch.devic
              for file in checkpoint_files(Path(p).expanduser().resolve())]  # (resolved, whatever the cwd)
     ckpt = averaged_checkpoint(paths, torch.device("cpu"))  # the optimizer's state too: not onto the device
     tokenizer_dir = Path(tokenizer_dir).expanduser() if tokenizer_dir else paths[0].parent.parent / "tokenizer"
+    if tokenizer_dir.name == "codecs.json" and tokenizer_dir.is_file():  # the file named rather than its folder
+        tokenizer_dir = tokenizer_dir.parent
     if not (tokenizer_dir / "codecs.json").is_file():
-        raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory")
+        raise UserError(f"{tokenizer_dir}: no tokenizer (codecs.json) found; pass the run's tokenizer directory "
+                        "(translate.py --tokenizer <run>/tokenizer: a checkpoint moved out of its run's checkpoints/ "
+                        "does not find it beside it)")
     src_codec, tgt_codec = load_codecs(tokenizer_dir)
     args = ckpt["model_args"]
     sizes = {"source": (len(src_codec), args.get("src_vocab")), "target": (len(tgt_codec), args.get("tgt_vocab"))}

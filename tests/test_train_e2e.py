@@ -174,6 +174,13 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
     assert translate.main([str(tmp_path / "other_vocab.pt"), "--input", str(tmp_path / "test.de"), "--tokenizer",
                            str(Path(cfg.paths.output_dir) / "tokenizer")]) == 1
     assert "not the tokenizer of" in capsys.readouterr().err
+    # a checkpoint moved out of its run: the tokenizer is named, as its folder or its codecs.json
+    assert translate.main([str(steps[1]), "--input", str(tmp_path / "test.de"),
+                           "--tokenizer", str(tmp_path)]) == 1
+    assert "no tokenizer (codecs.json) found; pass the run's tokenizer directory (translate.py --tokenizer" in (
+        capsys.readouterr().err)
+    assert translate.main([str(steps[1]), "--input", str(tmp_path / "test.de"), "--device", "cpu", "--tokenizer",
+                           str(Path(cfg.paths.output_dir) / "tokenizer" / "codecs.json")]) == 0
     # one checkpoint twice (best.pt is a copy of a step's: a shell's *.pt gives both), and another run's
     assert translate.main([str(steps[0]), str(steps[0]), "--input", str(tmp_path / "test.de")]) == 1
     assert f"{steps[0]}: step 3 of the same run as {steps[0]}" in capsys.readouterr().err
