@@ -121,13 +121,33 @@ def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
             key, value = home.split("=", 1)
             raise ConfigError(f"{home}: a bare ~ is not allowed in an override; write {key}=$HOME{value[1:]} "
                               f"or quote it: '{key}=\"{value}\"'") from None
-        raise ConfigError(str(e).splitlines()[0] + " (overrides are key=value)") from None
+        first, reason = (str(e).splitlines() + [""])[:2]  # Error parsing override '...', and Hydra's reason
+        reason = "" if not reason or reason.startswith("See ") else f": {reason}"
+        hint = ("; quote an interpolation inside one: 'key=\"${oc.decode:${oc.env:NAME}}\"'"
+                if any("${" in o for o in overrides) else " (overrides are key=value)")
+        raise ConfigError(first + reason + hint) from None
     if not multirun:
         if any(o.is_sweep_override() for o in parsed):
             sweep = next(o.input_line for o in parsed if o.is_sweep_override())
             raise ConfigError(f"{sweep}: a list of values is a sweep; add -m (python train.py -m {sweep})")
         return [overrides]
-    return BasicSweeper.split_arguments(parsed, None)[0]
+    jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    if not jobs:  # Hydra launches no job and says nothing more
+        glob = next((o for o in parsed if "glob(" in o.input_line), None)
+        if glob is None:  # seed=range(0)
+            empty = next(o.input_line for o in parsed if o.is_sweep_override())
+            raise ConfigError(f"{empty}: gives no value, so the sweep has no job")
+        group = glob.key_or_group
+        options = f" ({group} is one of {', '.join(_options(group))})" if (CONF / group).is_dir() else ""
+        elsewhere = ("; Hydra's glob lists the options in conf/, not those in hydra.searchpath's folders: name "
+                     "them") if _searchpath(overrides) else ""
+        raise ConfigError(f"{glob.input_line}: matches no option{options}, so the sweep has no job{elsewhere}")
+    return jobs
+
+
+def _searchpath(overrides: list[str]) -> list[str]:
+    """``hydra.searchpath=[file:///my/conf]`` overrides: folders of one's own, whose options compose as conf/'s do."""
+    return [o for o in overrides if o.split("=")[0].lstrip("+") == "hydra.searchpath"]
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -154,7 +174,7 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
     cfg, overrides = _compose_leaving_out_unknown(overrides, problems)
     # The values typed against the defaults of the same groups. A preset's values are not the schema: the group's
     # own default is (paper_base's max_len_a of 1 takes 1.2, as trainer.max_len_a's 1.5 does).
-    groups = [o for o in overrides if _group_choice(o)]
+    groups = _composing(overrides)
     defaults = _defaults(tuple(groups))
     group_defaults = _defaults(tuple(o for o in groups if o.split("=")[0] not in PRESETS))
     given = OmegaConf.to_container(cfg, resolve=False)
@@ -203,7 +223,7 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
             deleted = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
             if deleted:  # Hydra takes a key whose value is null for one that does not exist
                 wrong = deleted.group(1)
-                null = _get(_defaults(tuple(o for o in overrides if _group_choice(o))), wrong) is None
+                null = _get(_defaults(tuple(_composing(overrides))), wrong) is None
                 problems.append(f"~{wrong}: {wrong} is null already; nothing to delete" if null
                                 else _unknown_key(wrong, overrides))
             elif not wrong:
@@ -269,7 +289,7 @@ def _unread_by_every_job(jobs: list[list[str]]) -> list[str]:
 
     found: dict[str, list[str | None]] = {}
     for job in jobs:
-        groups = [o for o in job if _group_choice(o)]
+        groups = _composing(job)
         try:
             schema = _defaults(tuple(groups))
         except HydraException:  # reported by the job's own check
@@ -295,6 +315,12 @@ def _group_choice(override: str) -> bool:
     return "=" in override and not override.startswith(("+", "~")) and "." not in key and (CONF / key).is_dir()
 
 
+def _composing(overrides: list[str]) -> list[str]:
+    """The overrides that decide which files compose: the groups' options, and ``hydra.searchpath`` (model=medium
+    from /my/conf/model/medium.yaml)."""
+    return [o for o in overrides if _group_choice(o)] + _searchpath(overrides)
+
+
 def _unknown_key(key: str, overrides: list[str]) -> str:
     """The message for a key the config does not have, with the closest key beside it."""
     if _model_reads(key):
@@ -317,7 +343,7 @@ def _key_hint(key: str, overrides: list[str]) -> str:
 
     parent, _, leaf = key.rpartition(".")
     try:
-        tree = _defaults(tuple(o for o in overrides if _group_choice(o)))
+        tree = _defaults(tuple(_composing(overrides)))
     except HydraException:  # an option that does not exist: reported once this key is fixed
         tree = {}
     node = _get(tree, parent) if parent else {k: v for k, v in tree.items() if k != "hydra"}
@@ -398,8 +424,8 @@ def _files_setting(group: str, key: str) -> list[str]:
     import yaml
 
     found = []
-    for folder in (group, *PRESETS):
-        for path in sorted((CONF / folder).glob("*.yaml")):
+    for folder, root in ((folder, root) for root in _config_dirs() for folder in (group, *PRESETS)):
+        for path in sorted((root / folder).glob("*.yaml")):
             try:
                 text = path.read_text(encoding="utf-8")
                 tree = yaml.safe_load(text) or {}
@@ -410,5 +436,15 @@ def _files_setting(group: str, key: str) -> list[str]:
             # an option's top-level keys are its group's, but in a global package (presets are all global)
             keys = tree if folder == group and "# @package _global_" not in text else tree.get(group)
             if isinstance(keys, dict) and key in keys:
-                found.append(str(path.relative_to(CONF.parent)))
+                found.append(str(path.relative_to(CONF.parent) if root == CONF else path))
     return found
+
+
+def _config_dirs() -> list[Path]:
+    """conf/, then the folders of one's own that Hydra searched for this run (hydra.searchpath, --config-dir)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return [CONF]
+    sources = HydraConfig.get().runtime.config_sources
+    return [CONF, *(Path(s.path) for s in sources if s.schema == "file" and Path(s.path).resolve() != CONF)]

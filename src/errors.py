@@ -20,7 +20,8 @@ def check_int(key: str, value, minimum: int, nullable: bool = False) -> None:
     if nullable and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{key}={value}: must be an integer >= {minimum}" + (", or null" if nullable else ""))
+        raise ConfigError(f"{key}={value}: must be an integer >= {minimum}" + (", or null" if nullable else "")
+                          + string_hint(key, value))
 
 
 def check_number(key: str, value, minimum: float, strict: bool = False, nullable: bool = False, why: str = "",
@@ -32,7 +33,19 @@ def check_number(key: str, value, minimum: float, strict: bool = False, nullable
     if (isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (strict and value == minimum)
             or (below is not None and value >= below)):
         raise ConfigError(f"{key}={value}: must be a number {'>' if strict else '>='} {minimum}"
-                          + (f" and < {below}" if below is not None else "") + (", or null" if nullable else "") + why)
+                          + (f" and < {below}" if below is not None else "") + (", or null" if nullable else "") + why
+                          + string_hint(key, value))
+
+
+def string_hint(key: str, value) -> str:
+    """For a number given as a string: an environment variable's value is one (``${oc.env:STEPS}`` gives '300')."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:  # a word: no environment variable's number
+        return ""
+    return f" ('{value}' is a string: read an environment variable as a number with '{key}=\"${{oc.decode:${{oc.env:NAME}}}}\"')"
 
 
 class DataError(UserError):

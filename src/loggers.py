@@ -55,10 +55,13 @@ def hydra_job() -> dict:
 
     if not HydraConfig.initialized():
         return {}
+    from omegaconf import OmegaConf
+
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     return {
-        "overrides": list(hc.overrides.task),
+        # as typed: iterating the ListConfig resolved an override's ${oc.env:...} (a traceback where it is unset)
+        "overrides": OmegaConf.to_container(hc.overrides.task, resolve=False),
         "output_dir": hc.runtime.output_dir,
         "sweep_dir": str(hc.sweep.dir) if multirun else None,
         "job_num": hc.job.num if multirun else None,

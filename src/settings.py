@@ -12,7 +12,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from . import planner
 from .config_check import check_known_keys
 from .data.corpus import check_data
-from .errors import ConfigError, check_int, check_number
+from .errors import ConfigError, check_int, check_number, string_hint
 from .faults import check_fault
 from .model import INITS, ModelArgs, model_fields
 from .tokenizers import check_tokenizer
@@ -155,5 +155,5 @@ def check_settings(conf: dict) -> None:
     check_fault(conf.get("fault") or {})
     seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
-        raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**63 - 1")
+        raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**63 - 1" + string_hint("seed", seed))
     check_plan(conf.get("plan") or {})

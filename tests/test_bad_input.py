@@ -2,6 +2,7 @@
 to do, before training starts. The table in the docs is checked against these cases, row for row."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,11 @@ COMMAND_LINE = [
      "optim.label_smoothing=true: expected a number (the default is 0.1)"),
     ("a flag set to null", ["model.tie_embeddings=null"], "model.tie_embeddings=null: expected true or false"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
-    ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps'"),
+    ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps': missing EQUAL "
+     "at '<EOF>' (overrides are key=value)"),
+    ("an interpolation inside an interpolation, unquoted", ["trainer.max_steps=${oc.decode:${oc.env:STEPS}}"],
+     "Error parsing override 'trainer.max_steps=${oc.decode:${oc.env:STEPS}}': extraneous input '}' expecting <EOF>; "
+     "quote an interpolation inside one: 'key=\"${oc.decode:${oc.env:NAME}}\"'"),
     ("a path starting with an unquoted ~", ["data=multi30k", "data.root=~/multi30k"],
      "data.root=~/multi30k: a bare ~ is not allowed in an override; write data.root=$HOME/multi30k or quote it"),
     ("two mistyped keys", ["model.dmodel=5", "model.nhead=2"],  # every problem, a line each
@@ -61,6 +66,11 @@ COMMAND_LINE = [
      "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
 ]
 RUN = [
+    ("an environment variable that is not set", ["trainer.max_steps=${oc.env:MT_NOT_SET}"],
+     "trainer.max_steps: KeyError raised while resolving interpolation: \"Environment variable 'MT_NOT_SET' not found\""),
+    ("a number read from an environment variable", ["seed=${oc.env:MT_NOT_SET,3}"],  # oc.env gives strings
+     "seed=3: must be an integer from -2**63 to 2**63 - 1 ('3' is a string: read an environment variable as a number "
+     "with 'seed=\"${oc.decode:${oc.env:NAME}}\"')"),
     ("accumulation below 1", ["memory.accum_steps=0"], "memory.accum_steps=0: must be an integer >= 1"),
     ("length limit below 1", ["memory.max_src_len=0"], "memory.max_src_len=0: must be an integer >= 1, or null"),
     ("unknown amp dtype", ["memory.amp=fp8"], "memory.amp=fp8: expected bf16, fp16 or null"),
@@ -387,13 +397,20 @@ def test_a_gpu_where_there_is_none(fast_cfg):
         train(fast_cfg("trainer.device=cuda"))
 
 
-def test_train_py_shows_a_line_for_each_problem_and_no_traceback():
+def test_train_py_shows_a_line_for_each_problem_and_no_traceback(tmp_path):
     proc = run_cli("train.py", "model.dmodel=5", "seed=abc")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: model.dmodel: no such key; did you mean model.d_model?",
         "error: seed=abc: expected an integer (the default is 1234)"]
     assert "Traceback" not in proc.stdout + proc.stderr
+    # an unset environment variable in an override: Hydra's job record resolved it first, a traceback
+    proc = run_cli("train.py", "trainer.max_steps=${oc.env:MT_NOT_SET}", "hydra.run.dir=" + str(tmp_path / "run"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert ("error: trainer.max_steps: KeyError raised while resolving interpolation: \"Environment variable "
+            "'MT_NOT_SET' not found\"") in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["overrides"] == ["trainer.max_steps=${oc.env:MT_NOT_SET}"]  # as typed
 
 
 def test_the_docs_table_lists_every_case_tried():

@@ -139,6 +139,38 @@ def test_a_model_file_of_ones_own_with_a_typo_is_named_before_the_data(tmp_path,
         memory_strategy({"amp": "bf16", "chekpoint": True})
 
 
+def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_path):
+    """hydra.searchpath=[file:///my/conf]: its options compose in the command line's check (model=medium was a
+    MissingConfigException traceback, the check composing conf/ alone), and a typo in its file names that file."""
+    from .helpers import run_cli
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "medium.yaml").write_text("defaults:\n  - small\n  - _self_\nname: medium\nencoder_layers: 5\n")
+    (tmp_path / "model" / "typo.yaml").write_text("defaults:\n  - small\n  - _self_\nname: typo\nencoder_layer: 5\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path}]"
+    check_command_line([searchpath, "model=medium", "model.decoder_layers=3", "model.d_ff=512"])
+    check_command_line(["-m", searchpath, "model=medium,small"])
+    with pytest.raises(ConfigError, match=r"^model=mediun: no such option; model is one of base, big, medium, small, "
+                                          r"tiny, typo$"):
+        check_command_line([searchpath, "model=mediun"])
+    with pytest.raises(ConfigError, match=r"^model.decoder_layer: no such key; did you mean model.decoder_layers\?$"):
+        check_command_line([searchpath, "model=medium", "model.decoder_layer=3"])
+    # Hydra's glob lists conf/'s options only: it launched no job, and the sweep said a job "did not complete"
+    with pytest.raises(ConfigError, match=r"^model=glob\(med\*\): matches no option \(model is one of base, big, "
+                                          r"small, tiny\), so the sweep has no job; Hydra's glob lists the options in "
+                                          r"conf/, not those in hydra.searchpath's folders: name them$"):
+        check_command_line(["-m", searchpath, "model=glob(med*)"])
+    with pytest.raises(ConfigError, match=r"^seed=range\(0\): gives no value, so the sweep has no job$"):
+        check_command_line(["-m", "seed=range(0)"])
+    fast = [o for o in FAST if not o.startswith("model=")]
+    proc = run_cli("train.py", searchpath, *fast, "model=typo", f"hydra.run.dir={tmp_path / 'run'}",
+                   f"paths.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 1
+    assert (f"error: model.encoder_layer (set in {tmp_path / 'model' / 'typo.yaml'}): no such setting; did you mean "
+            "model.encoder_layers?") in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()  # before the corpus was read
+
+
 def test_a_model_setting_that_a_model_file_of_ones_own_leaves_out_can_be_added():
     """conf/model/partial.yaml without d_ff trains with ModelArgs' 2048: +model.d_ff=1536 is read (it was refused as
     read by nothing), and model.d_ff=1536 without + says to add it."""
