@@ -57,7 +57,7 @@ from .memory import (
 from .model import Transformer
 from .planning import choose_for_budget
 from .profiling import StepProfiler
-from .settings import check_settings, check_threads, resolve_config, resolve_device
+from .settings import check_settings, check_threads, from_launch_dir, resolve_config, resolve_device
 from .state import (
     Progress,
     check_resumable,
@@ -134,7 +134,7 @@ def train(cfg: DictConfig) -> dict:
                          group=conf.get("sweep_name") or job.get("sweep_dir"), resuming=resuming)
 
     try:
-        conf = resolve_config(cfg)
+        conf = from_launch_dir(resolve_config(cfg))
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
         summary["strategy"] = strategy.label
         check_settings(conf)

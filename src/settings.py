@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -130,6 +131,31 @@ def resolve_config(cfg: DictConfig) -> dict:
         raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+
+
+# settings that name files or folders to read (tokenizer.name_or_path: where it is a folder, not a hub name)
+INPUT_PATHS = ("paths.cache_dir", "data.root", "data.train_prefix", "data.valid_prefix", "data.test_prefix",
+               "ckpt_path", "tokenizer.name_or_path")
+
+
+def from_launch_dir(conf: dict) -> dict:
+    """With ``hydra.job.chdir=true`` the job runs in its run directory, where a relative input path (``data.root``,
+    ``ckpt_path``, ``paths.cache_dir``, ...) named nothing, or a cache of its own: they are taken from the directory
+    train.py was started in, as Hydra's ``to_absolute_path`` takes them. Unchanged without chdir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not HydraConfig.get().job.get("chdir"):
+        return conf
+    launched = Path(HydraConfig.get().runtime.cwd)
+    for dotted in INPUT_PATHS:
+        group, _, leaf = dotted.rpartition(".")
+        node = conf.get(group) if group else conf
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        if dotted != "tokenizer.name_or_path" or (launched / value).exists():  # else a hub name (xlm-roberta-base)
+            node[leaf] = str(launched / value)
+    return conf
 
 
 def _position(cfg: DictConfig, key: str) -> list[int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import translate
 from src.checkpoint import load_checkpoint
@@ -22,7 +23,7 @@ from src.tokenizers import UNK_TEXT
 from src.trainer import Trainer, inverse_sqrt_schedule
 from train import scores
 
-from .conftest import FAST, FAST_TRAIN, compose_config
+from .conftest import FAST, FAST_TRAIN, ROOT, compose_config
 from .helpers import read_jsonl, run_cli
 
 
@@ -487,6 +488,58 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].count("\n") == len(messages) - 1
     assert all(m in line for m, line in zip(messages, summary["error"].splitlines()))
+
+
+def test_with_hydra_job_chdir_relative_paths_are_the_launch_directorys(tmp_path):
+    """hydra.job.chdir=true runs the job in its run directory: data.train_prefix=data/train was "file not found"
+    there, and paths.cache_dir=cache a cache of each run's own (every job tokenized again). They are read from
+    where train.py was started, as Hydra's to_absolute_path reads them."""
+    (tmp_path / "data").mkdir()
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            (tmp_path / "data" / f"{split}.{lang}").write_text(
+                "ein Satz\nzwei Sätze\n" if lang == "de" else "a sentence\ntwo sentences\n")
+    proc = run_cli(str(ROOT / "train.py"), "hydra.job.chdir=true", "data=files", "data.src_lang=de",
+                   "data.tgt_lang=en", *(f"data.{s}_prefix=data/{s}" for s in ("train", "valid", "test")),
+                   *FAST_TRAIN, "trainer.max_steps=2", "trainer.eval_every=2", "logger=none", "paths.cache_dir=cache",
+                   "hydra.run.dir=run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert list((tmp_path / "cache").glob("encoded-*.pt")) and not (tmp_path / "run" / "cache").exists()
+    conf = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert conf.data.train_prefix == str(tmp_path / "data" / "train") and conf.paths.cache_dir == str(tmp_path / "cache")
+
+
+def test_from_launch_dir_leaves_absolute_paths_and_hub_names_and_runs_without_chdir(tmp_path):
+    from hydra.core.hydra_config import HydraConfig
+
+    from src.settings import from_launch_dir
+
+    (tmp_path / "my-tokenizer").mkdir()
+
+    def conf(name_or_path: str) -> dict:
+        return {"paths": {"cache_dir": ".cache"}, "data": {"root": "/data/multi30k", "train_prefix": "data/train"},
+                "ckpt_path": None, "tokenizer": {"name_or_path": name_or_path}}
+
+    def started_in(chdir: bool):
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=[f"hydra.job.chdir={chdir}"], return_hydra_config=True)
+        cfg.hydra.runtime.cwd = str(tmp_path)
+        HydraConfig.instance().set_config(cfg)
+
+    assert from_launch_dir(conf("my-tokenizer")) == conf("my-tokenizer")  # outside Hydra: as it is
+    try:
+        started_in(chdir=True)
+        assert from_launch_dir(conf("my-tokenizer")) == {
+            "paths": {"cache_dir": str(tmp_path / ".cache")},
+            "data": {"root": "/data/multi30k", "train_prefix": str(tmp_path / "data" / "train")},
+            "ckpt_path": None, "tokenizer": {"name_or_path": str(tmp_path / "my-tokenizer")}}
+        assert from_launch_dir(conf("xlm-roberta-base"))["tokenizer"]["name_or_path"] == "xlm-roberta-base"  # a hub's
+        started_in(chdir=False)
+        assert from_launch_dir(conf("my-tokenizer")) == conf("my-tokenizer")
+    finally:
+        HydraConfig.instance().cfg = None
 
 
 @pytest.mark.gpu
