@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from src.config_check import check_command_line, preset_sweep, sweep_jobs
+from src.config_check import check_command_line, sweep_with_preset
 from src.errors import UserError, error_lines
 from src.loggers import run_name
 from src.memory import CATEGORIES
@@ -32,13 +31,8 @@ CONF = Path(__file__).resolve().parent / "conf"
 
 
 def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
-    """The jobs train.py -m would run: the sweep a preset sets (hydra.sweeper.params, experiment=memory_sweep's)
-    first, then the command line's, as Hydra's basic sweeper takes them."""
-    if not multirun:
-        return [overrides]
-    sweeps = {o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
-    preset = preset_sweep([o for o in overrides if o not in sweeps])  # composable as they are: no lists or ranges
-    return sweep_jobs([*preset, *overrides], True)
+    """The jobs train.py -m would run, a preset's own sweep included."""
+    return sweep_with_preset(overrides)[0] if multirun else [overrides]
 
 
 def resolved(overrides: list[str]) -> dict:

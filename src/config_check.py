@@ -34,8 +34,19 @@ def check_command_line(argv: list[str]) -> None:
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
-    problems: list[str] = [*_output_dir_problems(overrides, multirun)]
-    jobs = sweep_jobs(overrides, multirun)
+    problems = [*_output_dir_problems(overrides, multirun), *_jobs_problems(sweep_jobs(overrides, multirun))]
+    if multirun and not problems:  # and the jobs of a preset's own sweep (a file of one's own may mistype it)
+        jobs, params = sweep_with_preset(overrides)
+        if params:
+            preset = next(o for o in overrides if o.split("=")[0] in PRESETS)
+            problems = [f"{p} (in {preset}'s hydra.sweeper.params)" for p in _jobs_problems(jobs)]
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _jobs_problems(jobs: list[list[str]]) -> list[str]:
+    """The problems of a sweep's jobs (of one run's), each once."""
+    problems: list[str] = []
     for job in jobs:
         try:
             check_overrides(job, unread=len(jobs) == 1)
@@ -43,8 +54,17 @@ def check_command_line(argv: list[str]) -> None:
             problems += [p for p in str(e).splitlines() if p not in problems]
     if len(jobs) > 1:
         problems += _unread_by_every_job(jobs)
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems
+
+
+def sweep_with_preset(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
+    """The jobs train.py -m runs, and the sweep a preset sets (hydra.sweeper.params, experiment=memory_sweep's):
+    the preset's sweep first, then the command line's, as Hydra's basic sweeper takes them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeps = {o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()}
+    params = preset_sweep([o for o in overrides if o not in sweeps])  # composable as they are: no lists or ranges
+    return sweep_jobs([*params, *overrides], True), params
 
 
 def preset_sweep(overrides: list[str]) -> list[str]:

@@ -162,6 +162,17 @@ def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_p
         check_command_line(["-m", searchpath, "model=glob(med*)"])
     with pytest.raises(ConfigError, match=r"^seed=range\(0\): gives no value, so the sweep has no job$"):
         check_command_line(["-m", "seed=range(0)"])
+    # a preset of one's own whose sweep (hydra.sweeper.params) names an option that does not exist: Hydra's
+    # multi-line error in train.py, a MissingConfigException traceback in plan.py -m
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\nhydra:\n  sweeper:\n    params:\n"
+                                                       "      memory: none,amd\n")
+    preset = r"^memory=amd: no such option; memory is one of accum, .* \(in experiment=mine's hydra.sweeper.params\)$"
+    with pytest.raises(ConfigError, match=preset):
+        check_command_line(["-m", searchpath, "experiment=mine"])
+    import plan
+
+    assert plan.main(["-m", searchpath, "experiment=mine"]) == 1
     fast = [o for o in FAST if not o.startswith("model=")]
     proc = run_cli("train.py", searchpath, *fast, "model=typo", f"hydra.run.dir={tmp_path / 'run'}",
                    f"paths.cache_dir={tmp_path / 'cache'}")
