@@ -57,6 +57,8 @@ def main(cfg: DictConfig) -> float:
                 log.error("error: %s", problem)
         # out of memory after the back-offs: src/run.py logged its one line (the sizes tried, the memory snapshot)
         told = isinstance(e, (UserError, torch.OutOfMemoryError))
+        if told and log.disabled:  # hydra/job_logging=disabled: the run's loggers are off, its error still shows
+            print(error_lines(e) if isinstance(e, UserError) else f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         if not multirun:
             if told:
                 sys.exit(1)

@@ -78,15 +78,22 @@ def preset_sweep(overrides: list[str]) -> list[str]:
 
 
 def preset_sweep_note(argv: list[str]) -> str | None:
-    """A preset that sweeps, run without -m: Hydra runs one job of it and says nothing."""
-    if _multirun(argv) or _hydra_command(argv) or not any(a.split("=")[0] in PRESETS for a in argv):
+    """A preset that sweeps, run without -m: Hydra runs one job of it and says nothing. With -m, presets swept
+    (``-m experiment=a,memory_sweep``): Hydra runs none of their own sweeps, and says nothing either."""
+    preset = next((a for a in argv if a.split("=")[0] in PRESETS), None)
+    if preset is None or _hydra_command(argv):
         return None
-    params = preset_sweep([a for a in argv if not a.startswith("-")])
-    if not params:
-        return None
-    preset = next(a for a in argv if a.split("=")[0] in PRESETS)
-    return (f"note: {preset} is a sweep ({' '.join(params)}); without -m this runs one job, with the command "
-            "line's settings: add -m to run them all")
+    overrides = [a for a in argv if not a.startswith("-")]
+    if not _multirun(argv):
+        params = preset_sweep(overrides)
+        return (f"note: {preset} is a sweep ({' '.join(params)}); without -m this runs one job, with the command "
+                "line's settings: add -m to run them all") if params else None
+    chosen = sweep_jobs([preset], True)
+    if len(chosen) == 1:
+        return None  # one preset: its sweep runs
+    sweeping = [f"{job[0]} ({' '.join(params)})" for job in chosen if (params := preset_sweep(job))]
+    return (f"note: {preset} runs a job of each preset, without their own sweeps: {', '.join(sweeping)}; run a "
+            "preset that sweeps on its own to run its sweep") if sweeping else None
 
 
 def _output_dir_problems(overrides: list[str], multirun: bool) -> list[str]:

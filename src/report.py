@@ -147,13 +147,19 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
         overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
         config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
         # e.g. a resume refused before the run began, which leaves the directory as it was
-        log_error = _last_logged_error(path / "train.log", launched) if not summary else None
+        log_error = _last_logged_error(_job_log(path), launched) if not summary else None
         jobs.append(Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:
         job.varying = frozenset(o for o in job.overrides if o not in shared)
     return jobs
+
+
+def _job_log(path: Path) -> Path:
+    """A job's log file, which Hydra names after the job: train.log, or myjob.log with hydra.job.name=myjob."""
+    hydra = (_read_yaml(path / ".hydra" / "hydra.yaml") or {}).get("hydra") or {}
+    return path / f"{(hydra.get('job') or {}).get('name') or 'train'}.log"
 
 
 def _last_logged_error(log_file: Path, since: float | None = None) -> str | None:

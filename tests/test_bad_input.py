@@ -411,6 +411,10 @@ def test_train_py_shows_a_line_for_each_problem_and_no_traceback(tmp_path):
             "'MT_NOT_SET' not found\"") in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["overrides"] == ["trainer.max_steps=${oc.env:MT_NOT_SET}"]  # as typed
+    # Hydra's disabled job logging turns the run's loggers off: the error printed nothing
+    proc = run_cli("train.py", "hydra/job_logging=disabled", "ckpt_path=/nowhere/best.pt",
+                   "hydra.run.dir=" + str(tmp_path / "quiet"))
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ckpt_path=/nowhere/best.pt"), proc.stderr[-2000:]
 
 
 def test_the_docs_table_lists_every_case_tried():

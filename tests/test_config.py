@@ -277,7 +277,7 @@ def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch):
         resolve_config(compose_config("data.seed=${oc.env:NOPE_UNSET}"))
 
 
-def test_a_sweeping_preset_run_without_m_says_it_runs_one_job():
+def test_a_sweeping_preset_run_without_m_or_among_presets_says_what_runs():
     """experiment=memory_sweep without -m ran one job of its eight (Hydra ignores hydra.sweeper.params without
     -m) and said nothing; presets that do not sweep, -m, and commands without a preset get no note."""
     from src.config_check import preset_sweep_note
@@ -287,5 +287,11 @@ def test_a_sweeping_preset_run_without_m_says_it_runs_one_job():
                     "[amp,accum],[amp,checkpoint]); without -m this runs one job, with the command line's settings: "
                     "add -m to run them all")
     for argv in (["-m", "experiment=memory_sweep"], ["experiment=throughput_ref"], ["debug=overfit"],
-                 ["memory=amp"], ["experiment=memory_sweep", "--cfg", "job"]):
+                 ["memory=amp"], ["experiment=memory_sweep", "--cfg", "job"],
+                 ["-m", "experiment=multi30k_small,throughput_ref"]):
         assert preset_sweep_note(argv) is None, argv
+    # presets swept with -m: Hydra runs one job of each, none of their own sweeps, and said nothing
+    assert preset_sweep_note(["-m", "experiment=multi30k_small,memory_sweep"]) == (
+        "note: experiment=multi30k_small,memory_sweep runs a job of each preset, without their own sweeps: "
+        "experiment=memory_sweep (memory=none,amp,accum,truncate,checkpoint,chunked_ce,[amp,accum],[amp,checkpoint]); "
+        "run a preset that sweeps on its own to run its sweep")

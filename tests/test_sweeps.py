@@ -208,7 +208,8 @@ def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tm
         log = f"[{stamp},000][train][ERROR] - error: an earlier launch's error\n"
         if job == "0":
             log += f"[{time.strftime('%Y-%m-%d %H:%M:%S')},000][train][ERROR] - error: {d}/checkpoints holds an earlier run's checkpoints\n"
-        (d / "train.log").write_text(log)
+            (d / ".hydra" / "hydra.yaml").write_text("hydra:\n  job:\n    name: myjob\n")  # hydra.job.name=myjob
+        (d / ("myjob.log" if job == "0" else "train.log")).write_text(log)
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
     os.utime(sweep / "multirun.yaml", (now - 5, now - 5))
     jobs = load_sweep(sweep, latest_launch=True)
