@@ -30,6 +30,7 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
     a problem that several jobs share, once)."""
+    argv = config_dir_as_searchpath(argv)
     if _hydra_command(argv):
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
@@ -110,6 +111,23 @@ def _output_dir_problems(overrides: list[str], multirun: bool) -> list[str]:
             where = "is a file" if blocker == path else f"lies under {blocker}, a file"
             problems.append(f"{override}: {where}; name a directory")
     return problems
+
+
+def config_dir_as_searchpath(argv: list[str]) -> list[str]:
+    """``--config-dir DIR`` (``-cd DIR``) as the ``hydra.searchpath=[file://DIR]`` it amounts to here: a folder of
+    one's own whose options are chosen and checked as conf/'s are. Left as it is beside a searchpath of the command
+    line's (Hydra searches both)."""
+    if any(a.split("=")[0].lstrip("+") == "hydra.searchpath" for a in argv):
+        return argv
+    out, rest = [], iter(argv)
+    for arg in rest:
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config-dir", "-cd"):
+            folder = value if eq else next(rest, "")
+            out.append(f"hydra.searchpath=['file://{Path(folder).expanduser().resolve()}']")
+        else:
+            out.append(arg)
+    return out
 
 
 def _hydra_command(argv: list[str]) -> bool:

@@ -155,6 +155,11 @@ def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_p
         check_command_line([searchpath, "model=mediun"])
     with pytest.raises(ConfigError, match=r"^model.decoder_layer: no such key; did you mean model.decoder_layers\?$"):
         check_command_line([searchpath, "model=medium", "model.decoder_layer=3"])
+    # --config-dir (-cd) is such a folder too: Hydra's flags left every override unchecked
+    for flag in (["--config-dir", str(tmp_path)], [f"--config-dir={tmp_path}"], ["-cd", str(tmp_path)]):
+        check_command_line([*flag, "model=medium"])
+        with pytest.raises(ConfigError, match=r"^trainer.max_step: no such key; did you mean trainer.max_steps\?$"):
+            check_command_line([*flag, "model=medium", "trainer.max_step=4"])
     # Hydra's glob lists conf/'s options only: it launched no job, and the sweep said a job "did not complete"
     with pytest.raises(ConfigError, match=r"^model=glob\(med\*\): matches no option \(model is one of base, big, "
                                           r"small, tiny\), so the sweep has no job; Hydra's glob lists the options in "
