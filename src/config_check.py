@@ -266,7 +266,12 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
         except ConfigCompositionException as e:
             wrong = getattr(e.__cause__, "full_key", None)
             deleted = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
-            if deleted:  # Hydra takes a key whose value is null for one that does not exist
+            there = re.match(r"Could not append to config. An item is already at '([^']+)'", str(e))
+            if there:  # +seed=5: Hydra's line said what, not what to type
+                wrong = there.group(1)
+                added = next((o for o in overrides if o.startswith("+") and _sets(o, wrong)), f"+{wrong}")
+                problems.append(f"{added}: {wrong} is there already; set it without +: {added.lstrip('+')}")
+            elif deleted:  # Hydra takes a key whose value is null for one that does not exist
                 wrong = deleted.group(1)
                 null = _get(_defaults(tuple(_composing(overrides))), wrong) is None
                 problems.append(f"~{wrong}: {wrong} is null already; nothing to delete" if null

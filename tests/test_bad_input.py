@@ -61,6 +61,7 @@ COMMAND_LINE = [
     ("a group set to null", ["experiment=null"], "experiment=null: a group takes its options (experiment is one of "
      "memory_sweep, multi30k_small, paper_base, throughput_ref); leave experiment out for no preset"),
     ("a group's option chosen with +", ["+memory=amp"], "+memory=amp: memory is chosen without +: memory=amp"),
+    ("a key that is there added with +", ["+seed=5"], "+seed=5: seed is there already; set it without +: seed=5"),
     ("a null key deleted with ~", ["~memory.amp"], "~memory.amp: memory.amp is null already; nothing to delete"),
     ("a group's name set instead of its option", ["data.name=multi30k"],
      "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
