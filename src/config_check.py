@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import itertools
 import re
 import shutil
 from pathlib import Path
@@ -30,7 +31,7 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
     a problem that several jobs share, once)."""
-    argv = config_dir_as_searchpath(argv)
+    argv = _config_dir_as_searchpath(argv)
     if _hydra_command(argv):
         return  # Hydra's own commands: leave them to Hydra
     multirun = _multirun(argv)
@@ -39,7 +40,7 @@ def check_command_line(argv: list[str]) -> None:
     if multirun and not problems:  # and the jobs of a preset's own sweep (a file of one's own may mistype it)
         jobs, params = sweep_with_preset(overrides)
         if params:
-            preset = next(o for o in overrides if o.split("=")[0] in PRESETS)
+            preset = next((o for o in overrides if o.split("=")[0] in PRESETS), "the config")
             problems = [f"{p} (in {preset}'s hydra.sweeper.params)" for p in _jobs_problems(jobs)]
     if problems:
         raise ConfigError("\n".join(problems))
@@ -113,7 +114,7 @@ def _output_dir_problems(overrides: list[str], multirun: bool) -> list[str]:
     return problems
 
 
-def config_dir_as_searchpath(argv: list[str]) -> list[str]:
+def _config_dir_as_searchpath(argv: list[str]) -> list[str]:
     """``--config-dir DIR`` (``-cd DIR``) as the ``hydra.searchpath=[file://DIR]`` it amounts to here: a folder of
     one's own whose options are chosen and checked as conf/'s are. Left as it is beside a searchpath of the command
     line's (Hydra searches both)."""
@@ -474,7 +475,7 @@ def _files_setting(group: str, key: str) -> list[str]:
     import yaml
 
     found = []
-    for folder, root in ((folder, root) for root in _config_dirs() for folder in (group, *PRESETS)):
+    for root, folder in itertools.product(_config_dirs(), (group, *PRESETS)):
         for path in sorted((root / folder).glob("*.yaml")):
             try:
                 text = path.read_text(encoding="utf-8")
