@@ -140,8 +140,9 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
     if len(paths) == 1:
         return first
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
-    first_run = _run_step(first)[0]
-    seen = {_run_step(first): first_path}
+    first_run_step = _run_step(first)
+    first_run = first_run_step[0]
+    seen = {first_run_step: first_path}
     for path in paths[1:]:
         ckpt = read_checkpoint(path, device)
         if ckpt["model_args"] != first["model_args"]:

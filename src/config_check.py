@@ -118,7 +118,7 @@ def _config_dir_as_searchpath(argv: list[str]) -> list[str]:
     """``--config-dir DIR`` (``-cd DIR``) as the ``hydra.searchpath=[file://DIR]`` it amounts to here: a folder of
     one's own whose options are chosen and checked as conf/'s are. Left as it is beside a searchpath of the command
     line's (Hydra searches both)."""
-    if any(a.split("=")[0].lstrip("+") == "hydra.searchpath" for a in argv):
+    if _searchpath(argv):
         return argv
     out, rest = [], iter(argv)
     for arg in rest:
