@@ -32,8 +32,10 @@ def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
     a problem that several jobs share, once)."""
     argv = _config_dir_as_searchpath(argv)
-    if _hydra_command(argv):
-        return  # Hydra's own commands: leave them to Hydra
+    if _hydra_command(argv):  # Hydra's own commands: left to Hydra, but for what it refuses in a traceback
+        if problem := _hydra_command_problem(argv):
+            raise ConfigError(problem)
+        return
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     problems = [*_output_dir_problems(overrides, multirun), *_jobs_problems(sweep_jobs(overrides, multirun))]
@@ -135,6 +137,34 @@ def _hydra_command(argv: list[str]) -> bool:
     return any(a.split("=")[0] in HYDRA_FLAGS for a in argv)
 
 
+def _hydra_command_problem(argv: list[str]) -> str | None:
+    """What Hydra's own commands refuse over several lines or in a traceback: ``-m --cfg job`` (a ValueError),
+    ``--cfg job memory=amp,accum`` ("Ambiguous value"), ``--experimental-rerun`` (its job cannot resolve
+    ``${hydra:...}``, and would write into the old run's directory)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    flags = [a.split("=")[0] for a in argv if a.startswith("-")]
+    if "--experimental-rerun" in flags:
+        return ("--experimental-rerun: Hydra's rerun goes back into the old run's directory, whose checkpoints a run "
+                "does not overwrite; run it again from the config it saved: python train.py --config-path "
+                "<run>/.hydra --config-name config hydra.run.dir=<new directory> (README: Experiment presets)")
+    printing = next((f for f in flags if f in ("--cfg", "-c", "--info", "-i")), None)
+    if printing is None:
+        return None
+    multirun = next((f for f in flags if f in ("-m", "--multirun")), None)
+    if multirun:
+        return (f"{multirun} with {printing}: Hydra takes one or the other; leave {multirun} out and give one job's "
+                f"values ({printing} shows that job's config and runs nothing)")
+    values = [a for a in argv if not a.startswith("-") and "=" in a]  # not the values of --cfg job, -cn name
+    try:
+        parsed = OverridesParser.create().parse_overrides(values)
+    except HydraException:
+        return None  # Hydra's parse error says which
+    sweep = next((o.input_line for o in parsed if o.is_sweep_override()), None)
+    return f"{sweep}: {printing} describes one job; give one of the values" if sweep else None
+
+
 def _multirun(argv: list[str]) -> bool:
     return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
 
@@ -232,6 +262,10 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
             continue
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
+        if override.startswith("~"):  # a null one is refused while composing (Hydra has it as missing)
+            if default is not _MISSING and not (CONF / key).is_dir():  # ~memory: _deleted_group_problem's
+                problems.append(_deleted_key_problem(override, key, default))
+            continue
         group, _, leaf = key.partition(".")
         if leaf == "name" and (CONF / group).is_dir() and _get(given, key) != default:
             # the loader follows data.name, but the keys are the chosen option's: data.name=multi30k alone read
@@ -244,6 +278,14 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
             problems.append(str(e))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _deleted_key_problem(override: str, key: str, default) -> str:
+    """``~trainer.log_every``: a setting the run reads, deleted (the run said ``trainer.log_every=None``)."""
+    if isinstance(default, dict | list):
+        return f"{override}: the run reads {key}; set what it holds instead"
+    shown = str(default).lower() if isinstance(default, bool) else default
+    return f"{override}: the run reads {key}; set it instead ({key}=..., the default is {shown})"
 
 
 def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
@@ -294,6 +336,8 @@ def _group_problem(override: str) -> str | None:
     ``memory=[amp,null]`` (Hydra's traceback: "Config group override must be a string or a list. Got NoneType"),
     ``+memory=amp`` (Hydra's "To override a value use 'override memory: amp'": every group is in the defaults)."""
     key, _, value = override.partition("=")
+    if key.startswith("~"):
+        return _deleted_group_problem(key[1:])
     group = key.lstrip("+")
     if not value or "." in group or not (CONF / group).is_dir():
         return None
@@ -304,6 +348,17 @@ def _group_problem(override: str) -> str | None:
         return (f"{override}: a group takes its options ({group} is one of {', '.join(_options(group))}); leave "
                 f"{group} out for {default}")
     return None
+
+
+def _deleted_group_problem(group: str) -> str | None:
+    """``~logger``: a group the run reads, deleted (a KeyError traceback once the run began; ``~data`` was taken for
+    a mistyped key). The groups whose keys ``conf/train.yaml`` holds (memory), and the presets, may go."""
+    if "." in group or group.startswith("hydra") or group in PRESETS or not (CONF / group).is_dir():
+        return None
+    if group in OmegaConf.load(CONF / "train.yaml"):
+        return None
+    return (f"~{group}: every run needs a {group} option; choose one instead ({group} is one of "
+            f"{', '.join(_options(group))})")
 
 
 def _options(group: str) -> list[str]:

@@ -63,6 +63,19 @@ COMMAND_LINE = [
     ("a group's option chosen with +", ["+memory=amp"], "+memory=amp: memory is chosen without +: memory=amp"),
     ("a key that is there added with +", ["+seed=5"], "+seed=5: seed is there already; set it without +: seed=5"),
     ("a null key deleted with ~", ["~memory.amp"], "~memory.amp: memory.amp is null already; nothing to delete"),
+    ("a setting deleted with ~", ["~trainer.log_every"],  # the run said trainer.log_every=None
+     "~trainer.log_every: the run reads trainer.log_every; set it instead (trainer.log_every=..., the default is 25)"),
+    ("a group deleted with ~", ["~logger"],  # a KeyError traceback once the run began
+     "~logger: every run needs a logger option; choose one instead (logger is one of none, wandb)"),
+    ("-m with --cfg", ["-m", "--cfg", "job", "memory=amp,accum"],  # Hydra's ValueError traceback
+     "-m with --cfg: Hydra takes one or the other; leave -m out and give one job's values (--cfg shows that job's "
+     "config and runs nothing)"),
+    ("a sweep with --cfg", ["--cfg", "job", "memory=amp,accum"],  # Hydra's "Ambiguous value", over four lines
+     "memory=amp,accum: --cfg describes one job; give one of the values"),
+    ("Hydra's --experimental-rerun", ["--experimental-rerun", "outputs/runs/1/.hydra/config.pickle"],
+     "--experimental-rerun: Hydra's rerun goes back into the old run's directory, whose checkpoints a run does not "
+     "overwrite; run it again from the config it saved: python train.py --config-path <run>/.hydra --config-name "
+     "config hydra.run.dir=<new directory> (README: Experiment presets)"),
     ("a group's name set instead of its option", ["data.name=multi30k"],
      "data.name=multi30k: data.name names the option chosen; choose it with data=multi30k"),
 ]
