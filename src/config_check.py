@@ -31,11 +31,24 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
     a problem that several jobs share, once)."""
-    argv = _config_dir_as_searchpath(argv)
+    argv, primary = _primary_config(_config_dir_as_searchpath(argv))
     if _hydra_command(argv):  # Hydra's own commands: left to Hydra, but for what it refuses in a traceback
         if problem := _hydra_command_problem(argv):
             raise ConfigError(problem)
         return
+    if primary == _PRIMARY:
+        _check_jobs(argv)
+        return
+    default, _PRIMARY[:] = list(_PRIMARY), primary  # every compose below reads it
+    _defaults.cache_clear()
+    try:
+        _check_jobs(argv)
+    finally:
+        _PRIMARY[:] = default
+        _defaults.cache_clear()
+
+
+def _check_jobs(argv: list[str]) -> None:
     multirun = _multirun(argv)
     overrides = [a for a in argv if not a.startswith("-")]
     problems = [*_output_dir_problems(overrides, multirun), *_jobs_problems(sweep_jobs(overrides, multirun))]
@@ -46,6 +59,31 @@ def check_command_line(argv: list[str]) -> None:
             problems = [f"{p} (in {preset}'s hydra.sweeper.params)" for p in _jobs_problems(jobs)]
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+# the primary config Hydra composes, as a folder and a name: conf/train.yaml, or --config-path's and --config-name's
+_PRIMARY = [CONF, "train"]
+
+
+def _primary_config(argv: list[str]) -> tuple[list[str], list]:
+    """``argv`` without ``--config-path``/``-cp`` and ``--config-name``/``-cn``, and the primary config they name:
+    a run's saved ``.hydra/config.yaml`` run again (README: Experiment presets), or a primary config of one's own.
+    A relative path is taken from train.py's folder, as Hydra takes it."""
+    folder, name, rest, args = _PRIMARY[0], _PRIMARY[1], [], iter(argv)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag not in ("--config-path", "-cp", "--config-name", "-cn"):
+            rest.append(arg)
+            continue
+        value = value if eq else next(args, "")
+        if flag in ("--config-path", "-cp"):
+            folder = CONF.parent / Path(value).expanduser()  # an absolute path stays as it is
+        else:
+            name = value.removesuffix(".yaml")
+    if [folder, name] != _PRIMARY and not (folder / f"{name}.yaml").is_file():
+        raise ConfigError(f"--config-path {folder} --config-name {name}: no file {folder / name}.yaml"
+                          if folder.is_dir() else f"--config-path {folder}: no such folder")
+    return rest, [folder.resolve(), name]
 
 
 def _jobs_problems(jobs: list[list[str]]) -> list[str]:
@@ -76,8 +114,8 @@ def preset_sweep(overrides: list[str]) -> list[str]:
     Hydra's basic sweeper runs before the command line's. ``overrides`` compose as they are (no lists or ranges)."""
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with initialize_config_dir(config_dir=str(_PRIMARY[0]), version_base="1.3"):
+        cfg = compose(config_name=_PRIMARY[1], overrides=overrides, return_hydra_config=True)
     return [f"{key}={value}" for key, value in (cfg.hydra.sweeper.get("params") or {}).items()]
 
 
@@ -229,8 +267,8 @@ def _searchpath(overrides: list[str]) -> list[str]:
 def _compose(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+    with initialize_config_dir(config_dir=str(_PRIMARY[0]), version_base="1.3"):
+        return compose(config_name=_PRIMARY[1], overrides=overrides)
 
 
 @functools.lru_cache(maxsize=64)
@@ -341,6 +379,10 @@ def _group_problem(override: str) -> str | None:
     group = key.lstrip("+")
     if not value or "." in group or not (CONF / group).is_dir():
         return None
+    if _PRIMARY[0] != CONF and not (_PRIMARY[0] / group).is_dir() and not group.startswith("hydra"):
+        # a run's saved config (--config-path <run>/.hydra): Hydra took model=base for the string "base"
+        return (f"{override}: {_PRIMARY[0] / _PRIMARY[1]}.yaml is composed already, and its folder has no {group} "
+                f"options; set {group}'s keys instead ({group}.key=value)")
     if key != group:
         return f"{override}: {group} is chosen without +: {group}={value}"
     if "null" in [v.strip() for v in value.strip("[]").split(",")]:

@@ -187,6 +187,27 @@ def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_p
     assert not (tmp_path / "cache").exists()  # before the corpus was read
 
 
+def test_overrides_of_a_primary_config_given_by_config_path_and_name_are_checked(tmp_path):
+    """--config-path <run>/.hydra --config-name config (a run's saved config, run again) and -cn: every override was
+    left unchecked (Hydra's flags), and model=base set the saved config's model to the string 'base'."""
+    saved = tmp_path / ".hydra"
+    saved.mkdir()
+    OmegaConf.save(compose_config("trainer.max_steps=7", run_dir=tmp_path), saved / "config.yaml")
+    primary = ["--config-path", str(saved), "--config-name", "config"]
+    check_command_line([*primary, "trainer.max_steps=5", "memory.accum_steps=2"])
+    for override, message in [("trainer.max_step=5", r"trainer.max_step: no such key; did you mean trainer.max_steps\?"),
+                              ("trainer.max_steps=abc", r"trainer.max_steps=abc: expected an integer \(the default is 7\)"),
+                              ("model=base", rf"model=base: {saved}/config.yaml is composed already, and its folder "
+                                             r"has no model options; set model's keys instead \(model.key=value\)")]:
+        with pytest.raises(ConfigError, match=f"^{message}$"):
+            check_command_line([*primary, override])
+    with pytest.raises(ConfigError, match=f"^--config-path {saved} --config-name confi: no file {saved}/confi.yaml$"):
+        check_command_line([f"-cp={saved}", "-cn", "confi"])
+    with pytest.raises(ConfigError, match=r"^model=bse: no such option; model is one of base, big, small, tiny$"):
+        check_command_line(["-cn", "train", "model=bse"])  # conf/'s own, named
+    check_command_line(["model=base"])  # and the next check composes conf/train.yaml again
+
+
 def test_a_model_setting_that_a_model_file_of_ones_own_leaves_out_can_be_added():
     """conf/model/partial.yaml without d_ff trains with ModelArgs' 2048: +model.d_ff=1536 is read (it was refused as
     read by nothing), and model.d_ff=1536 without + says to add it."""
