@@ -168,6 +168,8 @@ def test_a_non_finite_step_takes_no_update_and_does_not_advance_the_schedule():
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+# the test's own stand-in for optimizer.step, which the scheduler notices
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden:UserWarning")
 def test_fp16_out_of_memory_in_the_optimizer_step_can_be_redone():
     """Out of memory after the GradScaler unscaled the gradients (clipping, Adam's first step making its state):
     the redone step takes the update a step without the error takes. It raised the scaler's RuntimeError
