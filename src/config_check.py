@@ -408,8 +408,9 @@ def _options(group: str) -> list[str]:
     return sorted(f.stem for f in (CONF / group).glob("*.yaml"))
 
 
-# mappings whose keys are the user's to name: a spaCy pipeline per language (+tokenizer.models.de=de_core_news_sm)
-OPEN_KEYS = ("tokenizer.models",)
+# mappings whose keys are the user's to name: a spaCy pipeline per language (+tokenizer.models.de=de_core_news_sm),
+# keys of one's own kept with the run (+meta.run_name=foo)
+OPEN_KEYS = ("tokenizer.models", "meta")
 
 
 def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
@@ -427,6 +428,8 @@ def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
             break
     else:
         return None
+    if "." not in missing and not _key_hint(missing, groups):  # +run_name=foo: no top-level key is near it
+        return f"{override}: nothing reads {missing}; keys of one's own go under meta: +meta.{key}={override.split('=', 1)[1]}"
     return f"{override}: nothing reads {missing}{_key_hint(missing, groups)}"
 
 
@@ -471,6 +474,8 @@ def _composing(overrides: list[str]) -> list[str]:
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
     """The message for a key the config does not have, with the closest key beside it."""
+    if any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):  # meta.run_name=foo
+        return f"{key}: not there yet; add it with +: +{key}=..."
     if _model_reads(key):
         return f"{key}: the model option chosen does not set it (ModelArgs' default applies); set it with +{key}=..."
     return f"{key}: no such key{_key_hint(key, overrides)}"

@@ -56,6 +56,10 @@ COMMAND_LINE = [
     ("unknown memory setting added with +", ["+memory.acum_steps=2"],
      "+memory.acum_steps=2: nothing reads memory.acum_steps; did you mean memory.accum_steps?"),
     ("a key added with + that nothing reads", ["+trainer.foo=1"], "+trainer.foo=1: nothing reads trainer.foo; trainer has"),
+    ("a top-level key of one's own", ["+run_name=foo"],
+     "+run_name=foo: nothing reads run_name; keys of one's own go under meta: +meta.run_name=foo"),
+    ("a key of one's own set without +", ["meta.run_name=foo"],
+     "meta.run_name: not there yet; add it with +: +meta.run_name=..."),
     ("a model setting added with +", ["++model.dmodel=5"], "++model.dmodel=5: nothing reads model.dmodel; did you mean "
      "model.d_model?"),
     ("a group set to null", ["experiment=null"], "experiment=null: a group takes its options (experiment is one of "

@@ -294,6 +294,14 @@ def test_a_key_added_with_plus_is_refused_only_where_no_job_reads_it():
     check_command_line(["+model@teacher=base"])  # a group in another package: Hydra's to read
 
 
+def test_keys_of_ones_own_go_under_meta_and_stay_with_the_run(tmp_path):
+    """+run_name=foo was refused as read by nothing, with nowhere else to put it: under meta it is kept in the
+    run's config (and its overrides) and can name the run's directory."""
+    check_command_line(["+meta.run_name=foo", "+meta.lab.node=3", "hydra.run.dir=outputs/${meta.run_name}"])
+    cfg = compose_config("+meta.run_name=foo", run_dir=tmp_path)
+    assert cfg.meta.run_name == "foo"
+
+
 def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch):
     """Listing every missing key resolves interpolations on the way: one that does not resolve stays one line."""
     from src.settings import resolve_config
