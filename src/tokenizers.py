@@ -346,7 +346,7 @@ class HFCodec(Codec):
         the tokenizer matches as text) becomes ``<unk>``: as ``</s>`` it would end the sentence in training."""
         if not texts:
             return []  # (the tokenizer raises IndexError on an empty batch)
-        ids = self.tok(list(texts), add_special_tokens=False)["input_ids"]
+        ids = self.tok(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]
         special = set(self.tok.all_special_ids) - {self.unk_id}
         found = sum(i in special for seq in ids for i in seq)
         if found:

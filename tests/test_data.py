@@ -365,6 +365,26 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     assert not other.from_cache and other.cache_file != first.cache_file
 
 
+@pytest.mark.parametrize("name", ["spacy", "xlmr"])
+def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it_is(name, xlmr_dir, monkeypatch,
+                                                                                  caplog):
+    """Splits are encoded a chunk of sentences at a time (XLM-R's lists of a whole WMT split took ~20 GB), with a
+    progress line on a long one: the ids, lengths and vocabularies are those of one call on the whole split."""
+    corpus = load_synthetic("de", "en", {"train": 90, "valid": 10, "test": 10}, 1, LengthDistribution())
+    spec = {"name": "spacy", "min_freq": 1} if name == "spacy" else {"name": "xlmr", "name_or_path": str(xlmr_dir)}
+    whole = encode_mod._encode(corpus, spec)
+    monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 7)
+    monkeypatch.setattr(encode_mod, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="src.data.encode"):
+        chunked = encode_mod._encode(corpus, spec)
+    assert chunked["codecs"] == whole["codecs"]
+    for split, sides in whole["splits"].items():
+        for side, packed in sides.items():
+            assert all(torch.equal(packed[k], chunked["splits"][split][side][k]) for k in ("ids", "lengths"))
+    assert re.search(r"encoding train\.de: 7 of 90 lines, \d+ lines/s, about \d+ min left", caplog.text)
+    assert "tokenizing 110 pairs (train, valid, test) for the first time" in caplog.text
+
+
 def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_run(tmp_path, caplog):
     """A read-only or full cache directory (here one that cannot be made: a file stands in its place) is
     warned about after tokenizing, and the run goes on with the ids it made; nothing is left behind."""

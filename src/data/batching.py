@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .encode import EncodedSplit
+from .encode import EncodedSplit, seq_lengths
 
 
 @dataclass
@@ -61,7 +61,7 @@ def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_
 
 def pair_sizes(split: EncodedSplit) -> list[int]:
     """The padded size a pair costs: the longer of its source and target (each with one special token)."""
-    return [max(len(s), len(t)) + 1 for s, t in zip(split.src, split.tgt)]
+    return [max(s, t) + 1 for s, t in zip(seq_lengths(split.src), seq_lengths(split.tgt), strict=True)]
 
 
 def batch_indices(

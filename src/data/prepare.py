@@ -11,7 +11,7 @@ from ..errors import ConfigError, DataError
 from ..memory import MemoryStrategy
 from .batching import limit_lengths
 from .corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
-from .encode import EncodedCorpus, EncodedSplit, encode_corpus, trim_vocabulary
+from .encode import EncodedCorpus, EncodedSplit, encode_corpus, seq_lengths, trim_vocabulary
 from .synthetic import LengthDistribution
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, s
         evaluated = tr.get("limit_eval") if held_out else None
         src_lens, tgt_lens = [], []
         for side, ids, lens in (("src", split.src, src_lens), ("tgt", split.tgt, tgt_lens)):
-            counts = getattr(ids, "lengths", None) or [len(x) for x in ids]  # PackedSequences keeps them
-            lens += [min(n, cut[side] or n) + 1 for n in counts[:evaluated]]
+            lens += [min(n, cut[side] or n) + 1 for n in seq_lengths(ids)[:evaluated]]
         i = next((i for i, (s, t) in enumerate(zip(src_lens, tgt_lens, strict=True)) if max(s, t) > limit), None)
         if i is not None:
             fix = "remove or split that line" if held_out else (
