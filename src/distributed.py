@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 
 _host_group: dist.ProcessGroup | None = None  # gloo beside NCCL for World.any (None: the default group, gloo)
+# How long the other ranks wait for each machine's first to read and tokenize the corpus (World.local_main_first),
+# on a gloo group of their own: a WMT-sized corpus takes longer than the process group's 30 minutes, after which
+# the barrier failed the run. (A monitored barrier's timeout does not cover its sends.)
+DATA_WAIT = datetime.timedelta(hours=12)
+_data_group: dist.ProcessGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -50,14 +55,15 @@ class World:
         """Each machine's first process (LOCAL_RANK 0) runs the body before the others, which then run it too:
         reading and tokenizing a corpus once per machine, into the cache the others then load, instead of once
         per GPU at the same time (machines sharing a cache tokenize once between them: the cache file's lock,
-        src/data/encode.py). An error in the first still lets the others go on (to fail the same way)."""
+        src/data/encode.py). An error in the first still lets the others go on (to fail the same way). The others
+        wait up to ``DATA_WAIT``."""
         if self.distributed and self.local_rank != 0:
-            self.barrier()
+            dist.barrier(group=_data_group)
         try:
             yield
         finally:
             if self.distributed and self.local_rank == 0:
-                self.barrier()
+                dist.barrier(group=_data_group)
 
     def all_sum(self, values: list[float | torch.Tensor], device: torch.device) -> list[float]:
         """Sums of ``values`` over the ranks (one collective), as Python numbers."""
@@ -127,15 +133,16 @@ def process_group(world: World, device: torch.device, timeout_min: float = 30):
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    global _host_group
+    global _host_group, _data_group
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=world.rank, world_size=world.size,
                             timeout=datetime.timedelta(minutes=timeout_min))
     _host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    _data_group = dist.new_group(backend="gloo", timeout=DATA_WAIT)
     try:
         yield
     finally:
-        _host_group = None
+        _host_group = _data_group = None
         dist.destroy_process_group()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,11 @@ class Progress:
     memory: dict = field(default_factory=dict)  # the memory ledger's peaks so far (PeakMemory.run_state)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As a checkpoint holds it: ``trained`` as one tensor (a list of millions of ints, late in an epoch of a
+        WMT-sized corpus, took seconds to copy, save and load in every checkpoint: 4.0, 1.2 and 4.7 s at 4.5M)."""
+        state = asdict(replace(self, trained=[]))
+        state["trained"] = torch.tensor(self.trained, dtype=torch.int32)
+        return state
 
     def forget_validations(self) -> None:
         """No validation yet: the best checkpoint will be among the validations from here on."""
@@ -58,6 +62,8 @@ class Progress:
         """A checkpoint's progress. Counted in batches, it resumes with any number of ranks; checkpoints written
         before 2026-12-02 counted optimizer steps (``batch_in_epoch``) of one batch per rank."""
         state = dict(ckpt["progress"])
+        if isinstance(state["trained"], torch.Tensor):  # a list in checkpoints written before 2026-12-04
+            state["trained"] = state["trained"].tolist()
         if "batch_in_epoch" in state:
             ranks = ckpt.get("rng_ranks")  # one random state per rank: a data-parallel run's
             state["batches_done"] = state.pop("batch_in_epoch") * (len(ranks) if ranks else 1)

@@ -385,6 +385,37 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
     assert "tokenizing 110 pairs (train, valid, test) for the first time" in caplog.text
 
 
+def _rank_waiting_for_the_first(rank: int, port: int, out: Path) -> None:
+    """One of two ranks in a process group whose timeout is 3 s, the first taking 6 s over its corpus."""
+    from src.distributed import World, process_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = World(rank=rank, size=2, local_rank=rank)
+    with process_group(world, torch.device("cpu"), timeout_min=0.05), world.local_main_first():
+        if rank == 0:
+            time.sleep(6)
+    (out / f"rank{rank}").write_text("waited")
+
+
+def test_under_torchrun_the_other_ranks_wait_for_the_first_past_the_process_groups_timeout(tmp_path):
+    """Tokenizing a WMT-sized corpus on each machine's first rank takes longer than the process group's 30
+    minutes: the other ranks' barrier timed out ("Timed out waiting ... for recv") and torchrun stopped the run."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [multiprocessing.get_context("fork").Process(target=_rank_waiting_for_the_first, args=(r, port, tmp_path))
+             for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0", "rank1"]
+
+
 def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_run(tmp_path, caplog):
     """A read-only or full cache directory (here one that cannot be made: a file stands in its place) is
     warned about after tokenizing, and the run goes on with the ids it made; nothing is left behind."""
