@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .encode import EncodedSplit, seq_lengths
+from .encode import EncodedSplit, PackedSequences, seq_lengths
 
 
 @dataclass
@@ -186,24 +186,27 @@ def limit_lengths(
     """Sources over ``max_src_len`` and targets over ``max_tgt_len`` tokens (special tokens not counted) are cut
     to the limit (``overlong="truncate"``) or their pairs removed (``"drop"``). Each side is cut on its own, and a
     cut sentence keeps its </s> (collate adds it), as Hugging Face tokenizers truncate: labelling a cut target's
-    end with padding instead left the model unable to end long sentences (README, memory strategies)."""
+    end with padding instead left the model unable to end long sentences (README, memory strategies). The result
+    stays packed (a tensor per sentence took 1.1 GB more for a million pairs)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"memory.overlong={overlong}: expected truncate or drop")
-    src, tgt = [], []
-    stats = LengthLimitStats(overlong, 0, 0, 0, 0, 0, len(split))
-    for s, t in zip(split.src, split.tgt):
-        stats.src_tokens += len(s)
-        stats.tgt_tokens += len(t)
-        cut_s = len(s) - max_src_len if max_src_len is not None and len(s) > max_src_len else 0
-        cut_t = len(t) - max_tgt_len if max_tgt_len is not None and len(t) > max_tgt_len else 0
-        if cut_s or cut_t:
-            stats.pairs += 1
-            if overlong == "drop":
-                stats.src_tokens_removed += len(s)
-                stats.tgt_tokens_removed += len(t)
-                continue
-            stats.src_tokens_removed += cut_s
-            stats.tgt_tokens_removed += cut_t
-        src.append(s[: len(s) - cut_s])
-        tgt.append(t[: len(t) - cut_t])
-    return EncodedSplit(src, tgt), stats
+    lengths = {side: torch.tensor(seq_lengths(getattr(split, side)), dtype=torch.int64) for side in ("src", "tgt")}
+    caps = {"src": max_src_len, "tgt": max_tgt_len}
+    cut = {side: (n - caps[side]).clamp(min=0) if caps[side] is not None else torch.zeros_like(n)
+           for side, n in lengths.items()}
+    over = (cut["src"] > 0) | (cut["tgt"] > 0)
+    removed = {side: int((lengths[side] * over).sum() if overlong == "drop" else cut[side].sum()) for side in cut}
+    stats = LengthLimitStats(overlong, int(over.sum()), removed["src"], removed["tgt"], int(lengths["src"].sum()),
+                             int(lengths["tgt"].sum()), len(split))
+    kept = ~over if overlong == "drop" else torch.ones_like(over)
+    sides = [_cut_packed(getattr(split, side), lengths[side], lengths[side] - cut[side], kept) for side in cut]
+    return EncodedSplit(*sides), stats
+
+
+def _cut_packed(seqs, lengths: Tensor, new_lengths: Tensor, kept: Tensor) -> PackedSequences:
+    """The first ``new_lengths`` ids of each sentence of ``seqs`` that is ``kept``, packed."""
+    ids = seqs.ids if isinstance(seqs, PackedSequences) else torch.cat([torch.as_tensor(s, dtype=torch.int64)
+                                                                        for s in seqs] or [torch.zeros(0)]).long()
+    position = torch.arange(len(ids)) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
+    keep = (position < new_lengths.repeat_interleave(lengths)) & kept.repeat_interleave(lengths)
+    return PackedSequences(ids[keep], new_lengths[kept])
