@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -155,10 +156,30 @@ def learn_spacing(docs: Sequence[tuple[Sequence[str], bytes]]) -> tuple[bool, se
     Chinese, Japanese or Thai, whose spaces are the exception), and for text that does not: the tokens that take a
     space before them, and those that take one after (a Latin word set apart in Chinese text, say). Rare tokens
     take none."""
-    gaps = [(a, b, bool(space)) for tokens, spaces in docs for a, b, space in zip(tokens, tokens[1:], spaces)]
-    if 2 * sum(space for _, _, space in gaps) >= len(gaps):
+    def gaps() -> Iterator[tuple[str, str, bool]]:  # read as they come: a tuple each took 56 bytes a token
+        return ((a, b, bool(space)) for tokens, spaces in docs for a, b, space in zip(tokens, tokens[1:], spaces))
+
+    spaced = sum(sum(spaces[:-1]) for _, spaces in docs)  # the gaps between two tokens that hold a space
+    if 2 * spaced >= sum(max(len(tokens) - 1, 0) for tokens, _ in docs):
         return True, set(), set()
-    return False, _mostly((b, space) for _, b, space in gaps), _mostly((a, space) for a, _, space in gaps)
+    return False, _mostly((b, space) for _, b, space in gaps()), _mostly((a, space) for a, _, space in gaps())
+
+
+# The training lines the detokenization rules are learned from, drawn from a larger split: learn_glue's passes
+# over every gap took 10 s per 300,000 lines, and holding every line's tokens for them 1 GB per million.
+RULES_SAMPLE = 500_000
+
+
+def rules_sample(lines: int) -> bytearray:
+    """Which of a training split's lines the detokenization rules learn from: every one, up to RULES_SAMPLE; else
+    RULES_SAMPLE of them, drawn at random (seeded by the count: the same lines every time), not every k-th line,
+    which a corpus made of repeated blocks would alias."""
+    if lines <= RULES_SAMPLE:
+        return bytearray(b"\x01") * lines
+    chosen = bytearray(lines)
+    for i in random.Random(lines).sample(range(lines), RULES_SAMPLE):
+        chosen[i] = 1
+    return chosen
 
 
 class SpacyCodec(Codec):
@@ -240,12 +261,16 @@ class SpacyCodec(Codec):
         """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more,
         most frequent first (ties alphabetical), at most ``max_size`` including the specials."""
         codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
-        docs = list(codec.token_lines(texts))
-        counts = Counter(text for tokens, _ in docs for text in tokens)
-        if docs and counts.total() < 1.5 * len(docs):  # Thai given as xx, which splits at spaces only
+        counts: Counter[str] = Counter()
+        docs, sampled = [], rules_sample(len(texts))  # the lines the detokenization rules learn from
+        for i, (tokens, spaces) in enumerate(codec.token_lines(texts)):
+            counts.update(tokens)
+            if sampled[i]:
+                docs.append((tokens, spaces))
+        if texts and counts.total() < 1.5 * len(texts):  # Thai given as xx, which splits at spaces only
             log.warning("spaCy's '%s' tokenizer made %.1f tokens per training sentence: the vocabulary holds whole "
                         "sentences, as this text has almost no spaces; give the language's own code (data.src_lang / "
-                        "data.tgt_lang), or use tokenizer=xlmr", lang, counts.total() / len(docs))
+                        "data.tgt_lang), or use tokenizer=xlmr", lang, counts.total() / len(texts))
         words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
         if max_size is not None:
             words = words[: max(0, max_size - len(SPECIALS))]

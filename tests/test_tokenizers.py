@@ -310,3 +310,28 @@ def test_a_failed_save_of_an_hf_tokenizer_leaves_the_earlier_one_whole(xlmr_dir,
     monkeypatch.undo()
     codec.save(tmp_path)  # and a save that succeeds replaces it, leaving nothing beside it either
     assert os.listdir(tmp_path) == ["hf"] and HFCodec(str(tmp_path / "hf")).encode(["ein Hund"]) == codec.encode(["ein Hund"])
+
+
+def test_the_vocabulary_counts_every_training_line_and_the_rules_learn_from_a_sample(monkeypatch):
+    """A WMT-sized training split: detokenization rules from RULES_SAMPLE of its lines drawn at random (learn_glue's
+    passes over every gap, and every line's tokens held for them, grew with the corpus); the vocabulary still counts
+    every line, and a split within the sample learns from all of it."""
+    from src import tokenizers
+    from src.tokenizers import SpacyCodec, learn_glue, learn_spacing, rules_sample
+
+    texts = [f"(der Satz {i}), hier." if i % 5 else f"Wort{i} ist da" for i in range(60)]
+    whole = SpacyCodec.build(texts, "de")
+    monkeypatch.setattr(tokenizers, "RULES_SAMPLE", 12)
+    chosen = [i for i, yes in enumerate(rules_sample(60)) if yes]
+    assert len(chosen) == 12 and chosen == [i for i, yes in enumerate(rules_sample(60)) if yes]  # the same each time
+    assert chosen != list(range(0, 60, 5)) and max(chosen) >= 30  # drawn, not every k-th line, from all of it
+    given = []
+    monkeypatch.setattr(tokenizers, "learn_glue", lambda docs: given.append(docs) or learn_glue(docs))
+    sampled = SpacyCodec.build(texts, "de")
+    assert sampled.itos == whole.itos and "Wort55" in sampled.itos
+    docs = list(SpacyCodec("de", list(tokenizers.SPECIALS)).token_lines([texts[i] for i in chosen]))
+    assert given == [docs]
+    assert (sampled.glue_left, sampled.glue_right, sampled.paired) == tuple(learn_glue(docs))
+    assert (sampled.spaced, sampled.space_left, sampled.space_right) == learn_spacing(docs)
+    monkeypatch.setattr(tokenizers, "RULES_SAMPLE", 60)
+    assert rules_sample(60) == bytearray([1] * 60)
