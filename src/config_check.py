@@ -301,7 +301,9 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
         if override.startswith("~"):  # a null one is refused while composing (Hydra has it as missing)
-            if default is not _MISSING and not (CONF / key).is_dir():  # ~memory: _deleted_group_problem's
+            open_key = any(key == k or key.startswith(f"{k}.") for k in OPEN_KEYS)  # ~meta.run_name
+            if default is not _MISSING and not (CONF / key).is_dir() and not open_key and not _model_reads(key):
+                # (~memory: _deleted_group_problem's; ~model.d_ff: ModelArgs' default applies)
                 problems.append(_deleted_key_problem(override, key, default))
             continue
         group, _, leaf = key.partition(".")
@@ -399,7 +401,7 @@ def _deleted_group_problem(group: str) -> str | None:
         return None
     if group in OmegaConf.load(CONF / "train.yaml"):
         return None
-    return (f"~{group}: every run needs a {group} option; choose one instead ({group} is one of "
+    return (f"~{group}: every run needs an option of {group}; choose one instead ({group} is one of "
             f"{', '.join(_options(group))})")
 
 

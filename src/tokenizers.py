@@ -177,8 +177,8 @@ def rules_sample(lines: int) -> bytearray:
     if lines <= RULES_SAMPLE:
         return bytearray(b"\x01") * lines
     chosen = bytearray(lines)
-    for i in random.Random(lines).sample(range(lines), RULES_SAMPLE):
-        chosen[i] = 1
+    for i in random.Random(lines).sample(range(lines), RULES_SAMPLE):  # (a set of the indices drawn, or a list of
+        chosen[i] = 1  # every index for a split of up to about 1M lines: tens of MB while it draws)
     return chosen
 
 

@@ -70,7 +70,7 @@ COMMAND_LINE = [
     ("a setting deleted with ~", ["~trainer.log_every"],  # the run said trainer.log_every=None
      "~trainer.log_every: the run reads trainer.log_every; set it instead (trainer.log_every=..., the default is 25)"),
     ("a group deleted with ~", ["~logger"],  # a KeyError traceback once the run began
-     "~logger: every run needs a logger option; choose one instead (logger is one of none, wandb)"),
+     "~logger: every run needs an option of logger; choose one instead (logger is one of none, wandb)"),
     ("-m with --cfg", ["-m", "--cfg", "job", "memory=amp,accum"],  # Hydra's ValueError traceback
      "-m with --cfg: Hydra takes one or the other; leave -m out and give one job's values (--cfg shows that job's "
      "config and runs nothing)"),

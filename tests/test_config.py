@@ -300,6 +300,9 @@ def test_keys_of_ones_own_go_under_meta_and_stay_with_the_run(tmp_path):
     check_command_line(["+meta.run_name=foo", "+meta.lab.node=3", "hydra.run.dir=outputs/${meta.run_name}"])
     cfg = compose_config("+meta.run_name=foo", run_dir=tmp_path)
     assert cfg.meta.run_name == "foo"
+    # deleting what nothing requires: a key of one's own, a model setting (ModelArgs' default then applies)
+    check_command_line(["~meta"])
+    check_command_line(["~model.d_ff"])
 
 
 def test_an_interpolation_that_does_not_resolve_is_one_line(monkeypatch):

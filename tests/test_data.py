@@ -410,8 +410,13 @@ def test_under_torchrun_the_other_ranks_wait_for_the_first_past_the_process_grou
              for r in (0, 1)]
     for p in ranks:
         p.start()
-    for p in ranks:
-        p.join(60)
+    try:
+        for p in ranks:
+            p.join(60)
+    finally:
+        for p in ranks:
+            if p.is_alive():  # hung: not left waiting out DATA_WAIT
+                p.kill()
     assert [p.exitcode for p in ranks] == [0, 0]
     assert sorted(f.name for f in tmp_path.iterdir()) == ["rank0", "rank1"]
 

@@ -666,3 +666,6 @@ def test_the_pairs_trained_in_an_epoch_are_saved_as_one_tensor_and_load_from_eit
     save_checkpoint(tmp_path / "old.pt", progress={**saved, "trained": [7, 2, 5]})
     for name in ("new.pt", "old.pt"):
         assert Progress.from_checkpoint(load_checkpoint(tmp_path / name)) == progress
+    # and one from before Progress.trained (2026-12-03): the default, as before
+    save_checkpoint(tmp_path / "older.pt", progress={k: v for k, v in saved.items() if k != "trained"})
+    assert Progress.from_checkpoint(load_checkpoint(tmp_path / "older.pt")) == Progress(step=3)

@@ -198,6 +198,8 @@ def limit_lengths(
     removed = {side: int((lengths[side] * over).sum() if overlong == "drop" else cut[side].sum()) for side in cut}
     stats = LengthLimitStats(overlong, int(over.sum()), removed["src"], removed["tgt"], int(lengths["src"].sum()),
                              int(lengths["tgt"].sum()), len(split))
+    if not over.any() and isinstance(split.src, PackedSequences) and isinstance(split.tgt, PackedSequences):
+        return split, stats  # nothing to cut: no copy of the ids
     kept = ~over if overlong == "drop" else torch.ones_like(over)
     sides = [_cut_packed(getattr(split, side), lengths[side], lengths[side] - cut[side], kept) for side in cut]
     return EncodedSplit(*sides), stats
