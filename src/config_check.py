@@ -301,8 +301,7 @@ def check_overrides(overrides: list[str], unread: bool = True) -> None:
         key = override.split("=")[0].lstrip("+~")
         default = _get(group_defaults, key)
         if override.startswith("~"):  # a null one is refused while composing (Hydra has it as missing)
-            open_key = any(key == k or key.startswith(f"{k}.") for k in OPEN_KEYS)  # ~meta.run_name
-            if default is not _MISSING and not (CONF / key).is_dir() and not open_key and not _model_reads(key):
+            if default is not _MISSING and not (CONF / key).is_dir() and not _open(key) and not _model_reads(key):
                 # (~memory: _deleted_group_problem's; ~model.d_ff: ModelArgs' default applies)
                 problems.append(_deleted_key_problem(override, key, default))
             continue
@@ -415,11 +414,16 @@ def _options(group: str) -> list[str]:
 OPEN_KEYS = ("tokenizer.models", "meta")
 
 
+def _open(key: str) -> bool:
+    """Whether ``key`` is one of ``OPEN_KEYS`` or under one (``meta.run_name``)."""
+    return any(key == k or key.startswith(f"{k}.") for k in OPEN_KEYS)
+
+
 def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
     """A key added with ``+`` (or ``++``) that no option of its group has: nothing would read it, and the run went
     on without it (``+trainer.foo=1``), or failed after the corpus was read (``+model.dmodel=5``)."""
     key = override.split("=")[0].lstrip("+")
-    if key.split(".")[0] == "hydra" or "@" in key or any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):
+    if key.split(".")[0] == "hydra" or "@" in key or (_open(key) and key not in OPEN_KEYS):
         return None  # Hydra's own, a group placed in another package (+model@teacher=base), a mapping's own keys
     if _model_reads(key):
         return None  # an option file of one's own that leaves it to ModelArgs' default
@@ -430,9 +434,10 @@ def _unread_key(override: str, schema: dict, groups: list[str]) -> str | None:
             break
     else:
         return None
-    if "." not in missing and not _key_hint(missing, groups):  # +run_name=foo: no top-level key is near it
+    hint = _key_hint(missing, groups)
+    if "." not in missing and not hint:  # +run_name=foo: no top-level key is near it
         return f"{override}: nothing reads {missing}; keys of one's own go under meta: +meta.{key}={override.split('=', 1)[1]}"
-    return f"{override}: nothing reads {missing}{_key_hint(missing, groups)}"
+    return f"{override}: nothing reads {missing}{hint}"
 
 
 def _unread_by_every_job(jobs: list[list[str]]) -> list[str]:
@@ -476,7 +481,7 @@ def _composing(overrides: list[str]) -> list[str]:
 
 def _unknown_key(key: str, overrides: list[str]) -> str:
     """The message for a key the config does not have, with the closest key beside it."""
-    if any(key.startswith(f"{open_key}.") for open_key in OPEN_KEYS):  # meta.run_name=foo
+    if _open(key) and key not in OPEN_KEYS:  # meta.run_name=foo
         return f"{key}: not there yet; add it with +: +{key}=..."
     if _model_reads(key):
         return f"{key}: the model option chosen does not set it (ModelArgs' default applies); set it with +{key}=..."

@@ -62,7 +62,7 @@ class Progress:
         """A checkpoint's progress. Counted in batches, it resumes with any number of ranks; checkpoints written
         before 2026-12-02 counted optimizer steps (``batch_in_epoch``) of one batch per rank."""
         state = dict(ckpt["progress"])
-        if isinstance(state.get("trained"), torch.Tensor):  # (none before 2026-12-03)  # a list in checkpoints written before 2026-12-04
+        if isinstance(state.get("trained"), torch.Tensor):  # a list before 2026-12-04, none before 2026-12-03
             state["trained"] = state["trained"].tolist()
         if "batch_in_epoch" in state:
             ranks = ckpt.get("rng_ranks")  # one random state per rank: a data-parallel run's
