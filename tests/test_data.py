@@ -382,7 +382,7 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
         for side, packed in sides.items():
             assert all(torch.equal(packed[k], chunked["splits"][split][side][k]) for k in ("ids", "lengths"))
     assert re.search(r"encoding train\.de: 7 of 90 lines, \d+ lines/s, about \d+ min left", caplog.text)
-    assert "tokenizing 110 pairs (train, valid, test) for the first time" in caplog.text
+    assert "tokenizing 110 pairs (train, valid, test) with " in caplog.text
 
 
 def _rank_waiting_for_the_first(rank: int, port: int, out: Path) -> None:

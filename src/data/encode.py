@@ -229,7 +229,7 @@ def _encoded(corpus: Corpus, tokenizer: dict, cache_file: Path | None) -> Encode
 def _encode(corpus: Corpus, tokenizer: dict) -> dict:
     """The codecs' states, every split's token ids, and the tokenizer packages' versions: what the cache holds."""
     train = corpus.train
-    log.info("tokenizing %s pairs (%s) for the first time, with %s: minutes for millions of pairs",
+    log.info("tokenizing %s pairs (%s) with %s: minutes for millions of pairs",
              f"{sum(map(len, corpus.splits.values())):,}", ", ".join(corpus.splits), tokenizer.get("name"))
     src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
     return {
