@@ -47,6 +47,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp_path.unlink(missing_ok=True)
 
 
+def link_atomically(existing: Path, path: Path) -> bool:
+    """``path`` made a second name of the file ``existing`` (a hard link, which replaces any file at ``path`` in one
+    step): no second copy on disk, none written. False, and nothing changed, where the file system has no hard
+    links (or ``existing`` is gone)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-link.tmp")  # atomic_path's pattern: a kill leaves it to clean
+    try:
+        os.link(existing, tmp)
+    except OSError:
+        return False
+    os.replace(tmp, path)
+    return True
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """``atomic_path`` for a directory of files written by a library (``save_pretrained``): a temporary directory

@@ -43,7 +43,7 @@ from .environment import environment
 from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
-from .fileio import locked, write_json, write_text
+from .fileio import link_atomically, locked, write_json, write_text
 from .loggers import NullLogger, RunLogger, hydra_job, run_name
 from .memory import (
     MemoryStrategy,
@@ -330,6 +330,7 @@ class TrainingRun:
         self.p = Progress(accum_steps=self.strategy.accum_steps)
         self.window = Window(device, world)
         self.saved_step = -1  # the step of the newest step checkpoint written by this process
+        self.best_written = -1  # and of its newest best.pt
         if resumed is not None:
             self._resume(*resumed)
         self._start()
@@ -703,9 +704,14 @@ class TrainingRun:
         state = dict(model=model_state, optimizer=optim_state, scheduler=self.scheduler.state_dict(),
                      scaler=self.trainer.scaler.state_dict(), progress=p.to_dict(), rng=rng, rng_ranks=ranks,
                      **self.ckpt_meta)
-        save_checkpoint(path or self.ckpt_dir / f"step_{p.step:08d}.pt", **state)
+        target = path or self.ckpt_dir / f"step_{p.step:08d}.pt"
+        # a step checkpoint at the step best.pt was just written at holds the same state: one file, two names
+        if not (path is None and self.best_written == p.step and link_atomically(self.best_path, target)):
+            save_checkpoint(target, **state)
         if path is None:
             prune(self.ckpt_dir, self.keep_last)
+        else:  # best.pt
+            self.best_written = p.step
 
     # ------------------------------------------------------------------------------------------- evaluation
 

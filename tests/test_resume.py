@@ -204,8 +204,21 @@ def test_resume_auto_continues_from_best_pt_where_it_is_the_newest_state(fast_cf
     assert losses[0] == losses[1] and len(losses[0]) == 5
 
 
-def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):
-    """A run whose last step is a save step ends without writing that checkpoint again."""
+def same_state(a, b) -> bool:
+    """Two checkpoints' contents are equal: every tensor, number and string."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b or (a != a and b != b)  # (NaN)
+
+
+def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch, tmp_path, shared_cache):
+    """A run whose last step is a save step ends without writing that checkpoint again; and a step checkpoint at
+    the step its best.pt was written at is that file under a second name (a hard link: one file on disk, one
+    write), whose state is the one a write of its own holds, where the file system has no hard links."""
     written = []
 
     def save_checkpoint(path, **state):
@@ -214,8 +227,19 @@ def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch):
 
     real = src.run.save_checkpoint
     monkeypatch.setattr(src.run, "save_checkpoint", save_checkpoint)
-    train(fast_cfg("trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=4"))
+    settings = ["trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=4"]
+    train(fast_cfg(*settings))
+    assert written == ["step_00000002.pt", "best.pt"]
+    linked = tmp_path / "run" / "checkpoints"
+    assert (linked / "step_00000004.pt").samefile(linked / "best.pt")
+
+    monkeypatch.setattr(src.run, "link_atomically", lambda existing, path: False)
+    written.clear()
+    train(compose_config(*FAST, *settings, run_dir=tmp_path / "unlinked", cache_dir=shared_cache))
     assert written == ["step_00000002.pt", "best.pt", "step_00000004.pt"]
+    unlinked = tmp_path / "unlinked" / "checkpoints"
+    best, step = (load_checkpoint(unlinked / name) for name in ("best.pt", "step_00000004.pt"))
+    assert same_state(best, step)
 
 
 def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path, shared_cache):
