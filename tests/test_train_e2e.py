@@ -697,3 +697,13 @@ def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
     rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
     assert [(r["step"], r["epoch"]) for r in rows] == [(5, 0), (10, 0), (15, 0), (20, 1), (25, 1), (30, 1), (35, 1),
                                                        (38, 1)]
+
+
+def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd):
+    """Where stderr is not a terminal (a cluster job's log file, W&B's capture of the console), the bar is redrawn at
+    most every 30 s rather than ten times a second, which would add tens of MB to a day-long run's log (58 redraws
+    for these 40 steps before, each logged step's figures forcing one)."""
+    train(fast_cfg("trainer.progress=true", "trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=1"))
+    err = capfd.readouterr().err
+    redraws = [line for line in err.split("\r") if "/40 [" in line]
+    assert 1 <= len(redraws) <= 3 and "40/40" in redraws[-1]
