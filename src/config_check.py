@@ -490,10 +490,12 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
 
 def _model_reads(key: str) -> bool:
     """Whether ``key`` is a model setting (a field of ModelArgs) that a model option file may leave out."""
-    from .model import model_fields  # torch: imported only where a model key is looked up
-
     group, _, name = key.partition(".")
-    return group == "model" and name in model_fields()
+    if group != "model":
+        return False
+    from .model import model_fields  # torch (1.5 s): imported only where a model key is looked up
+
+    return name in model_fields()
 
 
 def _key_hint(key: str, overrides: list[str]) -> str:
