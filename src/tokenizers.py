@@ -456,8 +456,8 @@ class TrimmedCodec(Codec):
 
 
 def check_tokenizer(spec: dict) -> None:
-    """The tokenizer group's settings, before the data is read (spaCy tokenizes in a child process, whose
-    errors would come back as its traceback)."""
+    """The tokenizer group's settings, before the data is read (spaCy tokenizes in child processes, whose
+    errors would come back as their tracebacks)."""
     name = spec.get("name")
     if name == "spacy":
         check_int("tokenizer.min_freq", spec.get("min_freq"), 1)
@@ -490,22 +490,22 @@ def check_tokenizer_path(name_or_path: str) -> Path | None:
     return None
 
 
-def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):
-    """(source codec, target codec) for the ``tokenizer`` config; one shared object for XLM-R."""
+def build_codec(spec: dict, lang: str, train: Sequence[str]) -> Codec:
+    """The codec of one side for the ``tokenizer`` config: spaCy's vocabulary is built from that side's training
+    text alone (so the two sides can be built apart); XLM-R's is one for both sides and reads no text."""
     name = spec.get("name")
     if name == "spacy":
-        models = spec.get("models") or {}
-
-        def build(texts, lang):
-            return SpacyCodec.build(
-                texts, lang, spec.get("min_freq", 1), spec.get("max_vocab"), models.get(lang), spec.get("lowercase", False)
-            )
-
-        return build(train_src, src_lang), build(train_tgt, tgt_lang)
+        return SpacyCodec.build(train, lang, spec.get("min_freq", 1), spec.get("max_vocab"),
+                                (spec.get("models") or {}).get(lang), spec.get("lowercase", False))
     if name == "xlmr":
-        codec = HFCodec(spec["name_or_path"])
-        return codec, codec
+        return HFCodec(spec["name_or_path"])
     raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
+
+
+def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):
+    """(source codec, target codec) for the ``tokenizer`` config; one shared object for XLM-R."""
+    src = build_codec(spec, src_lang, train_src)
+    return src, src if isinstance(src, HFCodec) else build_codec(spec, tgt_lang, train_tgt)
 
 
 def codec_from_state(state: dict, directory: Path | None = None) -> Codec:

@@ -353,7 +353,7 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     def no_tokenizing(*a, **k):
         raise AssertionError("a cached corpus must not be tokenized again")
 
-    monkeypatch.setattr("src.data.encode.build_codecs", no_tokenizing)
+    monkeypatch.setattr("src.data.encode.build_codec", no_tokenizing)
     second = encode_corpus(corpus, spec, tmp_path)
     assert second.from_cache
     for split in ("train", "valid", "test"):
@@ -372,11 +372,11 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
     progress line on a long one: the ids, lengths and vocabularies are those of one call on the whole split."""
     corpus = load_synthetic("de", "en", {"train": 90, "valid": 10, "test": 10}, 1, LengthDistribution())
     spec = {"name": "spacy", "min_freq": 1} if name == "spacy" else {"name": "xlmr", "name_or_path": str(xlmr_dir)}
-    whole = encode_mod._encode(corpus, spec)
+    whole = encode_mod._encode(corpus, spec)[0]
     monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 7)
     monkeypatch.setattr(encode_mod, "PROGRESS_EVERY_S", 0.0)
     with caplog.at_level("INFO", logger="src.data.encode"):
-        chunked = encode_mod._encode(corpus, spec)
+        chunked = encode_mod._encode(corpus, spec)[0]
     assert chunked["codecs"] == whole["codecs"]
     for split, sides in whole["splits"].items():
         for side, packed in sides.items():
@@ -433,27 +433,36 @@ def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_run(tm
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="spaCy tokenizes in a forked child on Linux only")
-def test_spacy_tokenizes_in_a_child_process_and_gives_what_tokenizing_here_gives(tmp_path, monkeypatch):
-    """The run's process never builds a spaCy tokenizer (so never holds its memory); the token ids and codecs that
-    come back from the child are those of tokenizing in this process."""
+def test_spacy_tokenizes_in_a_child_process_per_side_and_gives_what_tokenizing_here_gives(tmp_path, monkeypatch):
+    """The run's process never builds a spaCy tokenizer (so never holds its memory); each side is tokenized in a
+    child of its own, both at once (each waits here for the other to have begun: one after the other, the first
+    would wait in vain); the token ids and codecs that come back are those of tokenizing in this process."""
     corpus = load_synthetic("de", "en", {"train": 200, "valid": 10, "test": 10}, 1, LengthDistribution())
     spec = {"name": "spacy", "min_freq": 2}
     built_in = tmp_path / "pids"
-    real = encode_mod.build_codecs
+    real = encode_mod.build_codec
 
-    def build_codecs(*a, **k):
+    def build_codec(spec, lang, train):
         with open(built_in, "a") as f:
             f.write(f"{os.getpid()}\n")
-        return real(*a, **k)
+        (tmp_path / lang).touch()
+        if os.getpid() != here_pid:
+            other = tmp_path / ("en" if lang == "de" else "de")
+            deadline = time.monotonic() + 30
+            while not other.exists():
+                assert time.monotonic() < deadline, f"the {lang} side's child ran alone"
+                time.sleep(0.01)
+        return real(spec, lang, train)
 
-    monkeypatch.setattr("src.data.encode.build_codecs", build_codecs)
+    here_pid = os.getpid()
+    monkeypatch.setattr("src.data.encode.build_codec", build_codec)
     encoded = encode_corpus(corpus, spec, None)
     pids = built_in.read_text().split()
-    assert len(pids) == 1 and int(pids[0]) != os.getpid()
+    assert len(set(pids)) == 2 and str(os.getpid()) not in pids
     assert encoded.encode_peak_rss_mb > 0 and encoded.src_codec._tokenizer is None
 
-    here = encode_mod._from_blob(encode_mod._encode(corpus, spec), None)
-    assert built_in.read_text().split()[1:] == [str(os.getpid())]
+    here = encode_mod._from_blob(encode_mod._encode(corpus, spec)[0], None)
+    assert built_in.read_text().split()[2:] == [str(os.getpid())] * 2
     assert (encoded.src_codec.state(), encoded.tgt_codec.state()) == (here.src_codec.state(), here.tgt_codec.state())
     for name, split in here.splits.items():
         for side in ("src", "tgt"):
@@ -505,13 +514,13 @@ def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeyp
     def broken(*a, **k):
         raise ValueError("broken tokenizer")
 
-    monkeypatch.setattr("src.data.encode.build_codecs", broken)
+    monkeypatch.setattr("src.data.encode.build_codec", broken)
     with pytest.raises(ValueError, match="broken tokenizer") as raised:
         encode_corpus(corpus, {"name": "spacy"}, tmp_path)
     assert any("in the child process" in n and "in broken" in n for n in raised.value.__notes__)
 
-    monkeypatch.setattr("src.data.encode.build_codecs", lambda *a, **k: os._exit(9))
-    with pytest.raises(RuntimeError, match="_encode ended with exit code 9 before it replied"):
+    monkeypatch.setattr("src.data.encode.build_codec", lambda *a, **k: os._exit(9))
+    with pytest.raises(RuntimeError, match="_encode_side ended with exit code 9 before it replied"):
         encode_corpus(corpus, {"name": "spacy"}, tmp_path)
     # nothing cached; the cache files' locks stay (removing a lock that another job waits on would let two hold it)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".pt.lock")] == []
@@ -520,6 +529,26 @@ def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeyp
 def _sleep_then_answer(seconds: float) -> str:
     time.sleep(seconds)
     return "answered"
+
+
+def _fail_or_sleep(fail: bool) -> str:
+    if fail:
+        raise ValueError("this side failed")
+    time.sleep(30)
+    return "slept"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_side_that_fails_ends_the_other_sides_child():
+    """Children run at once: the first error is raised at once, and the child still working is ended with it."""
+    import multiprocessing
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="this side failed"):
+        encode_mod.in_forked_children(_fail_or_sleep, [(False,), (True,)])
+    assert time.monotonic() - started < 10, "the error waited for the other child"
+    assert not multiprocessing.active_children()
+    assert [r for r, _ in encode_mod.in_forked_children(_sleep_then_answer, [(0.2,), (0.0,)])] == ["answered"] * 2
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork")

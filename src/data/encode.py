@@ -3,10 +3,10 @@ settings and the code that builds the tokenizers and encodes, so the runs of a s
 instead of tokenizing again, and an edit to that code never loads ids (or detokenization rules) the old code made.
 A cache file written with another version of an installed tokenizer package is encoded again.
 
-spaCy tokenizes in a child process (forked, on Linux), as fairseq's ``fairseq-preprocess`` is a command of its own:
-importing spaCy and tokenizing Multi30k leave about 85 MB in the process that did it (modules and interned
-strings, not given back by ``malloc_trim``), and the run needs neither afterwards, since detokenizing uses the
-learned rules only. The run's process then holds what a cached run holds. XLM-R's tokenizer is used in the run's
+spaCy tokenizes in child processes (forked, on Linux; one per side, at once), as fairseq's ``fairseq-preprocess``
+is a command of its own: importing spaCy and tokenizing Multi30k leave about 85 MB in the process that did it
+(modules and interned strings, not given back by ``malloc_trim``), and the run needs neither afterwards, since
+detokenizing uses the learned rules only. The run's process then holds what a cached run holds. XLM-R's tokenizer is used in the run's
 process, as decoding needs it there anyway."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -35,7 +36,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..fileio import atomic_path, locked
 from ..memory import peak_rss_mb
-from ..tokenizers import Codec, TrimmedCodec, build_codecs, codec_from_state
+from ..tokenizers import Codec, TrimmedCodec, build_codec, codec_from_state
 from .corpus import Corpus
 
 log = logging.getLogger(__name__)
@@ -217,14 +218,13 @@ def _cached(cache_file: Path, tokenizer: dict, quiet: bool = False) -> EncodedCo
 
 def _encoded(corpus: Corpus, tokenizer: dict, cache_file: Path | None) -> EncodedCorpus:
     """Tokenize and encode the corpus, and cache it in ``cache_file`` where given."""
-    child_peak = None
-    # spaCy in a child (the module's docstring says why), except off Linux (no safe fork) and in a daemonic
+    # spaCy in child processes (the module's docstring says why), except off Linux (no safe fork) and in a daemonic
     # process (a multiprocessing pool's worker), which may not start one.
-    if tokenizer.get("name") == "spacy" and sys.platform == "linux" and not multiprocessing.current_process().daemon:
-        blob, child_peak = in_forked_child(_encode, corpus, tokenizer)
-        log.info("tokenized in a child process (peak RSS %.0f MB)", child_peak)
-    else:
-        blob = _encode(corpus, tokenizer)
+    fork = tokenizer.get("name") == "spacy" and sys.platform == "linux" and not multiprocessing.current_process().daemon
+    blob, child_peaks = _encode(corpus, tokenizer, fork)
+    if child_peaks:
+        log.info("tokenized in a child process per side, at once (peak RSS %s MB)",
+                 " and ".join(f"{peak:.0f}" for peak in child_peaks))
     if cache_file is not None:
         try:
             with atomic_path(cache_file) as tmp:
@@ -233,22 +233,43 @@ def _encoded(corpus: Corpus, tokenizer: dict, cache_file: Path | None) -> Encode
         except OSError as e:  # a read-only or full cache directory: this run goes on, the next one tokenizes again
             log.warning("could not cache the encoded corpus in %s (%s); going on without it", cache_file, e)
             cache_file = None
-    return _from_blob(blob, cache_file, from_cache=False, encode_peak_rss_mb=child_peak)
+    return _from_blob(blob, cache_file, from_cache=False, encode_peak_rss_mb=max(child_peaks, default=None))
 
 
-def _encode(corpus: Corpus, tokenizer: dict) -> dict:
-    """The codecs' states, every split's token ids, and the tokenizer packages' versions: what the cache holds."""
-    train = corpus.train
+SIDES = ("src", "tgt")
+
+
+def _encode(corpus: Corpus, tokenizer: dict, fork: bool = False) -> tuple[dict, list[float]]:
+    """The codecs' states, every split's token ids, and the tokenizer packages' versions: what the cache holds; and
+    the peak RSS of each child process that tokenized. With ``fork``, spaCy builds and encodes each side in a forked
+    child of its own, both at once: a side's vocabulary and ids need nothing of the other's (half the time on two
+    cores). XLM-R's one tokenizer encodes both sides here."""
     log.info("tokenizing %s pairs (%s) with %s: minutes for millions of pairs",
              f"{sum(map(len, corpus.splits.values())):,}", ", ".join(corpus.splits), tokenizer.get("name"))
-    src_codec, tgt_codec = build_codecs(tokenizer, corpus.src_lang, corpus.tgt_lang, train.src, train.tgt)
+    jobs = [(corpus, tokenizer, side) for side in SIDES]
+    shared = tokenizer.get("name") == "xlmr"
+    if shared:
+        codec = build_codec(tokenizer, corpus.src_lang, corpus.train.src)
+        sides = [(_encode_side(*job, codec), None) for job in jobs]
+    elif fork:
+        sides = in_forked_children(_encode_side, jobs)
+    else:
+        sides = [(_encode_side(*job), None) for job in jobs]
+    (src, _), (tgt, _) = sides
     return {
-        "codecs": {"src": src_codec.state(), "tgt": tgt_codec.state(), "shared": src_codec is tgt_codec},
-        "splits": {name: {"src": _encode_packed(src_codec, s.src, f"{name}.{corpus.src_lang}"),
-                          "tgt": _encode_packed(tgt_codec, s.tgt, f"{name}.{corpus.tgt_lang}")}
-                   for name, s in corpus.splits.items()},
+        "codecs": {"src": src["codec"], "tgt": tgt["codec"], "shared": shared},
+        "splits": {name: {"src": src["splits"][name], "tgt": tgt["splits"][name]} for name in corpus.splits},
         "packages": package_versions(tokenizer),
-    }
+    }, [peak for _, peak in sides if peak is not None]
+
+
+def _encode_side(corpus: Corpus, tokenizer: dict, side: str, codec: Codec | None = None) -> dict:
+    """One side's codec (built from its training text, unless given) and its ids in every split."""
+    lang = corpus.src_lang if side == "src" else corpus.tgt_lang
+    codec = codec or build_codec(tokenizer, lang, getattr(corpus.train, side))
+    return {"codec": codec.state(),
+            "splits": {name: _encode_packed(codec, getattr(split, side), f"{name}.{lang}")
+                       for name, split in corpus.splits.items()}}
 
 
 # Sentences encoded at a time. XLM-R's tokenizer returns Python lists: a whole split of WMT's 4.5M pairs at once
@@ -289,15 +310,20 @@ def die_with(parent: int) -> None:
 
 
 def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
-    """``fn(*args)`` in a forked child process: (its result, the child's peak RSS in MB). The result comes back
-    pickled; an exception raised there is raised here (one that is not the user's to fix with the child's
-    traceback as a note). The child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
+    """``fn(*args)`` in a forked child process: (its result, the child's peak RSS in MB)."""
+    return in_forked_children(fn, [args])[0]
+
+
+def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, float]]:
+    """``fn(*args)`` for each ``args`` of ``calls``, each in a forked child process, all at once: [(its result, the
+    child's peak RSS in MB)] in the order of ``calls``. A result comes back pickled; an exception raised in a child
+    is raised here (one that is not the user's to fix with the child's traceback as a note), and the other
+    children are ended. A child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
     survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
     ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
     parent = os.getpid()
 
-    def child() -> None:
+    def child(args: tuple, send) -> None:
         try:
             die_with(parent)
             torch.set_num_threads(1)
@@ -317,31 +343,41 @@ def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
         with contextlib.suppress(BrokenPipeError):  # the parent stopped listening: interrupted
             send.send_bytes(data)
 
-    process = ctx.Process(target=child, name=f"{fn.__name__} (child)", daemon=True)
-    try:  # from the start: an interrupt at any point ends the child too
-        process.start()
-        send.close()  # the child's end: EOF here when the child dies
-        try:
+    children, replies = [], {}  # (process, the parent's end of its pipe)
+    try:  # from the start: an interrupt at any point ends the children too
+        for args in calls:
+            receive, send = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=child, args=(args, send), name=f"{fn.__name__} (child)", daemon=True)
+            children.append((process, receive))
+            try:
+                process.start()
+            finally:
+                send.close()  # the child's end: EOF here when the child dies
+        waiting = {receive: i for i, (_, receive) in enumerate(children)}
+        while waiting:
             # Waiting in short polls, not in one blocking read: Python runs its signal handlers (Ctrl-C's
             # KeyboardInterrupt) in the main thread between them, also when the kernel delivered the signal to
             # another of the process's threads, which does not interrupt a read blocked in the main one.
-            while not receive.poll(0.2):
-                pass
-            ok, value, peak = pickle.loads(receive.recv_bytes())
-        except EOFError:
+            for receive in multiprocessing.connection.wait(list(waiting), timeout=0.2):
+                i = waiting.pop(receive)
+                try:
+                    ok, value, peak = pickle.loads(receive.recv_bytes())
+                except EOFError:
+                    children[i][0].join()
+                    raise RuntimeError(f"the child process running {fn.__name__} ended with exit code "
+                                       f"{children[i][0].exitcode} before it replied (killed for memory?)") from None
+                if not ok:
+                    raise value
+                replies[i] = (value, peak)
+        for process, _ in children:
             process.join()
-            raise RuntimeError(f"the child process running {fn.__name__} ended with exit code {process.exitcode} "
-                               "before it replied (killed for memory?)") from None
-        process.join()
     finally:
-        send.close()
-        receive.close()
-        if process.is_alive():
-            process.terminate()
-            process.join()
-    if not ok:
-        raise value
-    return value, peak
+        for process, receive in children:
+            receive.close()
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    return [replies[i] for i in range(len(calls))]
 
 
 def _mapped(seqs: Sequence[Tensor], table: Tensor) -> Sequence[Tensor]:
