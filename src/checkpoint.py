@@ -156,8 +156,8 @@ def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
                             "weights of separately trained models do not average into a model; average checkpoints "
                             "of one run")
         if run_step in seen and run_step[1] is not None:  # best.pt beside step_*.pt, say
-            raise UserError(f"{path}: step {run_step[1]} of the same run as {seen[run_step]} (best.pt is a copy of a "
-                            "step checkpoint); give each checkpoint once")
+            raise UserError(f"{path}: step {run_step[1]} of the same run as {seen[run_step]} (best.pt is a step "
+                            "checkpoint, copied or linked); give each checkpoint once")
         seen[run_step] = path
         for k, v in total.items():
             if v.is_floating_point():

@@ -520,11 +520,14 @@ class TrainingRun:
         self.logger.rewind(self.p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
         max_steps, max_epochs, epoch_steps = self.max_steps, self.max_epochs, self.steps_per_epoch
         total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * epoch_steps)))  # whichever ends first
-        # Redrawn at most every 30 s where stderr is not a terminal (a cluster job's log file, W&B's capture of the
-        # console): ten redraws a second of ~100 bytes would add tens of MB to a day-long run's log.
+        # Where stderr is a file (a cluster job's log, W&B's capture of the console), redrawn every 30 s, not ten
+        # times a second: ~100 bytes each, tens of MB in a day-long run's log. tqdm's own pace on a terminal, in a
+        # notebook, or where TQDM_MININTERVAL sets it.
+        self.bar_live = ("TQDM_MININTERVAL" in os.environ or "ipykernel" in sys.modules
+                         or (sys.stderr is not None and sys.stderr.isatty()))
         self.bar = tqdm(total=total_steps, initial=self.p.step, disable=not self.tr.get("progress", True),
                         desc=self.strategy.label, dynamic_ncols=True,
-                        mininterval=0.1 if sys.stderr.isatty() else 30.0)
+                        **({} if self.bar_live else {"mininterval": 30.0, "maxinterval": 30.0}))
 
     # ------------------------------------------------------------------------------------------------ batches
 
@@ -690,9 +693,9 @@ class TrainingRun:
                 metrics["mfu"] = metrics["model_tflops"] / (self.peak_tflops * self.world.size)
             metrics.update(self.peak.window_metrics())
             self.logger.log(metrics, self.p.step)
-            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",  # shown at the next redraw
+            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}",
                                  tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"),
-                                 refresh=False)
+                                 refresh=self.bar_live)  # into a file: at the next redraw
 
     def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
         """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on

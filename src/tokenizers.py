@@ -502,12 +502,6 @@ def build_codec(spec: dict, lang: str, train: Sequence[str]) -> Codec:
     raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
 
 
-def build_codecs(spec: dict, src_lang: str, tgt_lang: str, train_src: Sequence[str], train_tgt: Sequence[str]):
-    """(source codec, target codec) for the ``tokenizer`` config; one shared object for XLM-R."""
-    src = build_codec(spec, src_lang, train_src)
-    return src, src if isinstance(src, HFCodec) else build_codec(spec, tgt_lang, train_tgt)
-
-
 def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
     if state["type"] == "spacy":
         return SpacyCodec(

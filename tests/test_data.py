@@ -377,7 +377,7 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
     monkeypatch.setattr(encode_mod, "PROGRESS_EVERY_S", 0.0)
     with caplog.at_level("INFO", logger="src.data.encode"):
         chunked = encode_mod._encode(corpus, spec)[0]
-    assert chunked["codecs"] == whole["codecs"]
+    assert chunked["codecs"] == whole["codecs"] and whole["codecs"]["shared"] == (name == "xlmr")
     for split, sides in whole["splits"].items():
         for side, packed in sides.items():
             assert all(torch.equal(packed[k], chunked["splits"][split][side][k]) for k in ("ids", "lengths"))
@@ -483,9 +483,9 @@ def test_the_tokenizing_child_ends_with_a_run_killed_with_sigkill(tmp_path):
     import signal
     import subprocess
 
-    script = ("import sys, time\nfrom pathlib import Path\nfrom src.data.encode import in_forked_child\n"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom src.data.encode import in_forked_children\n"
               "def work(path):\n    Path(path).write_text(str(__import__('os').getpid()))\n    time.sleep(60)\n"
-              f"in_forked_child(work, {str(tmp_path / 'child.pid')!r})\n")
+              f"in_forked_children(work, [({str(tmp_path / 'child.pid')!r},)])\n")
     run = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
     pid_file = tmp_path / "child.pid"
     try:
@@ -540,12 +540,18 @@ def _fail_or_sleep(fail: bool) -> str:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="fork")
 def test_a_side_that_fails_ends_the_other_sides_child():
-    """Children run at once: the first error is raised at once, and the child still working is ended with it."""
+    """Children run at once: the first error is raised at once, and the child still working is ended with it, also
+    under a SIGTERM handler that ignores the signal (submitit's, in a SLURM job)."""
     import multiprocessing
+    import signal
 
     started = time.monotonic()
-    with pytest.raises(ValueError, match="this side failed"):
-        encode_mod.in_forked_children(_fail_or_sleep, [(False,), (True,)])
+    previous = signal.signal(signal.SIGTERM, lambda *a: None)
+    try:
+        with pytest.raises(ValueError, match="this side failed"):
+            encode_mod.in_forked_children(_fail_or_sleep, [(False,), (True,)])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert time.monotonic() - started < 10, "the error waited for the other child"
     assert not multiprocessing.active_children()
     assert [r for r, _ in encode_mod.in_forked_children(_sleep_then_answer, [(0.2,), (0.0,)])] == ["answered"] * 2
@@ -558,7 +564,7 @@ def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
     import multiprocessing
     import signal
 
-    assert encode_mod.in_forked_child(_sleep_then_answer, 0.0)[0] == "answered"
+    assert encode_mod.in_forked_children(_sleep_then_answer, [(0.0,)])[0][0] == "answered"
     # Ctrl-C as in a terminal: a process started in the background (a CI job, `cmd &`) inherits SIGINT ignored
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
@@ -566,7 +572,7 @@ def test_an_interrupted_run_leaves_no_tokenizing_child_behind():
     started = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
-            encode_mod.in_forked_child(_sleep_then_answer, 30.0)
+            encode_mod.in_forked_children(_sleep_then_answer, [(30.0,)])
     finally:
         timer.join()
         signal.signal(signal.SIGINT, previous)

@@ -15,7 +15,7 @@ from src.tokenizers import (
     HFCodec,
     SpacyCodec,
     TrimmedCodec,
-    build_codecs,
+    build_codec,
     codec_from_state,
     load_codecs,
     save_codecs,
@@ -107,7 +107,7 @@ def test_an_unknown_word_is_one_word_of_the_scored_text_in_both_tokenizers(xlmr_
     text = codec.decode(ids)
     assert text == f"Ein Mann {UNK_TEXT} {UNK_TEXT} {UNK_TEXT}." and bleu_words(text) == 6
     assert bleu_words(f"Ein Mann <unk> {UNK_TEXT} {UNK_TEXT}.") == 8  # what "<unk>" did
-    (hf,) = {*build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])}
+    hf = build_codec({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", [])
     dog, garden = hf.encode(["ein Hund"])[0], hf.encode(["im Garten"])[0]
     assert hf.decode([*dog, hf.unk_id, hf.unk_id, *garden, hf.eos_id, *dog]) == f"ein Hund {UNK_TEXT} {UNK_TEXT} im Garten"
     assert hf.decode([hf.unk_id, *garden]) == f"{UNK_TEXT} im Garten" and hf.decode([hf.eos_id]) == ""
@@ -214,7 +214,8 @@ def test_detokenization_credits_each_space_to_the_token_that_explains_it():
 
 
 def test_codecs_save_and_load(tmp_path):
-    src, tgt = build_codecs({"name": "spacy", "min_freq": 1}, "de", "en", TEXT, [t.upper() for t in TEXT])
+    spec = {"name": "spacy", "min_freq": 1}
+    src, tgt = build_codec(spec, "de", TEXT), build_codec(spec, "en", [t.upper() for t in TEXT])
     save_codecs(tmp_path, src, tgt)
     src2, tgt2 = load_codecs(tmp_path)
     assert src2.itos == src.itos and tgt2.itos == tgt.itos and src2.glue_left == src.glue_left
@@ -222,15 +223,15 @@ def test_codecs_save_and_load(tmp_path):
 
 
 def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
-    src, tgt = build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])
-    assert src is tgt and isinstance(src, HFCodec)
+    src = build_codec({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", [])
+    assert isinstance(src, HFCodec)
     assert (src.bos_id, src.pad_id, src.eos_id, src.unk_id) == (0, 1, 2, 3)  # XLM-R's ids
     assert type(src.tok).__name__ == "XLMRobertaTokenizer"
     sentence = "Der große Hund sieht den alten Mann im Garten."
     ids = src.encode([sentence])[0]
     assert src.bos_id not in ids and src.eos_id not in ids
     assert src.decode([*ids, src.eos_id, src.pad_id]) == sentence
-    save_codecs(tmp_path, src, tgt)
+    save_codecs(tmp_path, src, src)  # XLM-R: one codec for both sides
     again, again_tgt = load_codecs(tmp_path)
     assert again is again_tgt and again.encode([sentence])[0] == ids
     # what a checkpoint's ids stand for: the same for the same tokenizer loaded again, another for another one
@@ -244,7 +245,7 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
 
 def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog):
     """"</s>" written in a sentence would end it in training, "<pad>" would be masked out: both become <unk>."""
-    (codec,) = {*build_codecs({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", "en", [], [])}
+    codec = build_codec({"name": "xlmr", "name_or_path": str(xlmr_dir)}, "de", [])
     plain = codec.encode(["ein Hund im Garten"])[0]
     ids = codec.encode(["ein <s> Hund </s> im <pad> Garten"])[0]
     assert not {codec.bos_id, codec.eos_id, codec.pad_id} & set(ids) and ids.count(codec.unk_id) == 3

@@ -182,7 +182,7 @@ def test_translate_py_averages_the_checkpoints_it_is_given(fast_cfg, tmp_path, c
         capsys.readouterr().err)
     assert translate.main([str(steps[1]), "--input", str(tmp_path / "test.de"), "--device", "cpu", "--tokenizer",
                            str(Path(cfg.paths.output_dir) / "tokenizer" / "codecs.json")]) == 0
-    # one checkpoint twice (best.pt is a copy of a step's: a shell's *.pt gives both), and another run's
+    # one checkpoint twice (best.pt is a step checkpoint, copied or linked: a shell's *.pt gives both), and another run's
     assert translate.main([str(steps[0]), str(steps[0]), "--input", str(tmp_path / "test.de")]) == 1
     assert f"{steps[0]}: step 3 of the same run as {steps[0]}" in capsys.readouterr().err
     other = load_checkpoint(steps[0])
@@ -699,11 +699,18 @@ def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
                                                        (38, 1)]
 
 
-def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd):
-    """Where stderr is not a terminal (a cluster job's log file, W&B's capture of the console), the bar is redrawn at
-    most every 30 s rather than ten times a second, which would add tens of MB to a day-long run's log (58 redraws
-    for these 40 steps before, each logged step's figures forcing one)."""
-    train(fast_cfg("trainer.progress=true", "trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=1"))
-    err = capfd.readouterr().err
-    redraws = [line for line in err.split("\r") if "/40 [" in line]
-    assert 1 <= len(redraws) <= 3 and "40/40" in redraws[-1]
+def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd, monkeypatch):
+    """Where stderr is not a terminal (a cluster job's log file, W&B's capture of the console), the bar is redrawn
+    every 30 s rather than ten times a second, which would add tens of MB to a day-long run's log (58 redraws for
+    these 40 steps before, each logged step's figures forcing one); TQDM_MININTERVAL, tqdm's own, still sets it."""
+    settings = ["trainer.progress=true", "trainer.max_steps=40", "trainer.eval_every=40", "trainer.log_every=1"]
+
+    def redraws() -> list[str]:
+        return [line for line in capfd.readouterr().err.replace("\n", "\r").split("\r") if "/40 [" in line]
+
+    train(fast_cfg(*settings))
+    drawn = redraws()
+    assert 1 <= len(drawn) <= 3 and "40/40" in drawn[-1]
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    train(fast_cfg(*settings, "trainer.resume=never"))
+    assert len(redraws()) > 40

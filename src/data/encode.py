@@ -125,8 +125,8 @@ class EncodedCorpus:
     splits: dict[str, EncodedSplit]
     cache_file: Path | None = None
     from_cache: bool = False
-    # The tokenizing child process's peak RSS (its pages shared with the run's process counted in it too), or None
-    # where nothing was tokenized in a child.
+    # The larger peak RSS of the tokenizing child processes, one per side (the pages each shares with the run's
+    # process counted in it too; both at once hold about the sum), or None where nothing was tokenized in a child.
     encode_peak_rss_mb: float | None = None
 
 
@@ -309,22 +309,22 @@ def die_with(parent: int) -> None:
         os._exit(1)
 
 
-def in_forked_child(fn: Callable, *args) -> tuple[object, float]:
-    """``fn(*args)`` in a forked child process: (its result, the child's peak RSS in MB)."""
-    return in_forked_children(fn, [args])[0]
-
-
 def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, float]]:
     """``fn(*args)`` for each ``args`` of ``calls``, each in a forked child process, all at once: [(its result, the
     child's peak RSS in MB)] in the order of ``calls``. A result comes back pickled; an exception raised in a child
     is raised here (one that is not the user's to fix with the child's traceback as a note), and the other
-    children are ended. A child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
+    children are ended (SIGKILL: a handler of the parent's that ignores SIGTERM, submitit's, is not theirs either).
+    A child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
     survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
     ctx = multiprocessing.get_context("fork")
     parent = os.getpid()
 
     def child(args: tuple, send) -> None:
         try:
+            # SIGTERM and SIGUSR2 end the child: the parent's handlers are the parent's to run (submitit's would
+            # requeue the SLURM job from here too, and its SIGTERM handler ignores the signal)
+            for signum in (signal.SIGTERM, signal.SIGUSR2):
+                signal.signal(signum, signal.SIG_DFL)
             die_with(parent)
             torch.set_num_threads(1)
             if (hooks := sys.modules.get("wandb.sdk.lib.import_hooks")) is not None:
@@ -375,7 +375,7 @@ def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, f
         for process, receive in children:
             receive.close()
             if process.is_alive():
-                process.terminate()
+                process.kill()
                 process.join()
     return [replies[i] for i in range(len(calls))]
 
