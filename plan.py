@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu = strategy.budget_gb
         print_one(conf, strategy, est, rows[0][4], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
+            sys.stdout.flush()  # the verdict now, piped too: the way to fit takes seconds more to estimate
             print_fix(job, gpu, context, est)
     else:
         print_table(rows, sweep)
