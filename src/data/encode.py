@@ -6,8 +6,8 @@ A cache file written with another version of an installed tokenizer package is e
 spaCy tokenizes in child processes (forked, on Linux; one per side, at once), as fairseq's ``fairseq-preprocess``
 is a command of its own: importing spaCy and tokenizing Multi30k leave about 85 MB in the process that did it
 (modules and interned strings, not given back by ``malloc_trim``), and the run needs neither afterwards, since
-detokenizing uses the learned rules only. The run's process then holds what a cached run holds. XLM-R's tokenizer is used in the run's
-process, as decoding needs it there anyway."""
+detokenizing uses the learned rules only. The run's process then holds what a cached run holds. XLM-R's tokenizer
+is used in the run's process, as decoding needs it there anyway."""
 
 from __future__ import annotations
 
@@ -314,8 +314,8 @@ def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, f
     child's peak RSS in MB)] in the order of ``calls``. A result comes back pickled; an exception raised in a child
     is raised here (one that is not the user's to fix with the child's traceback as a note), and the other
     children are ended (SIGKILL: a handler of the parent's that ignores SIGTERM, submitit's, is not theirs either).
-    A child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not
-    survive a fork. It exits without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
+    A child runs torch on one thread, as a DataLoader worker does: OpenMP's threads do not survive a fork. It exits
+    without running the parent's exit handlers (multiprocessing's ``os._exit``)."""
     ctx = multiprocessing.get_context("fork")
     parent = os.getpid()
 
