@@ -623,6 +623,30 @@ def test_encoded_corpus_cache_follows_a_spacy_pipeline_saved_in_a_folder(tmp_pat
     assert len(second.splits["train"].tgt[0]) == len(first.splits["train"].tgt[0]) + 1
 
 
+def test_the_encoding_codes_digest_is_the_same_on_other_pythons():
+    """The cache a 3.11 machine made is found by a GPU machine's Python 3.12 (which has no spaCy to tokenize
+    again): the digest of the code does not follow ast.dump, whose output 3.12 and 3.13 changed."""
+    import glob
+    import inspect
+    import shutil
+    import subprocess
+
+    script = "\n".join(["import ast, hashlib", "from pathlib import Path", inspect.getsource(encode_mod._shape),
+                        inspect.getsource(encode_mod.code_digest),
+                        f"ENCODING_CODE = tuple(map(Path, {[str(p) for p in encode_mod.ENCODING_CODE]!r}))",
+                        "print(code_digest())"])
+    pythons = {*glob.glob(str(Path.home() / ".pyenv/versions/3.1[2-9]*/bin/python3")),
+               *filter(None, (shutil.which(f"python3.{minor}") for minor in range(12, 16)))}
+    digests = {}
+    for python in sorted(pythons):
+        proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60)
+        if proc.returncode == 0:  # (a pyenv shim of a version not selected fails)
+            digests[python] = proc.stdout.strip()
+    if not digests:
+        pytest.skip("no Python 3.12 or later here")
+    assert set(digests.values()) == {encode_mod.code_digest()}, digests
+
+
 def test_encoded_corpus_cache_follows_the_encoding_code_and_the_tokenizer_package(tmp_path, monkeypatch):
     """Token ids and detokenization rules cached by older tokenizer code, or by another version of the installed
     tokenizer package, are made again; a machine without the package (a GPU machine without spaCy) uses them."""

@@ -48,7 +48,8 @@ TOKENIZER_PACKAGES = {"spacy": ("spacy",), "xlmr": ("transformers", "tokenizers"
 
 def code_digest() -> str:
     """The encoding code as Python reads it: an edit to its comments, docstrings or layout keeps the cache (which
-    took minutes for millions of pairs); any other edit, a log message's included, makes a new one."""
+    took minutes for millions of pairs); any other edit, a log message's included, makes a new one. The same on
+    every Python version (a GPU machine's 3.12 finds the cache a 3.11 machine made)."""
     h = hashlib.sha256()
     for path in ENCODING_CODE:
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -58,8 +59,19 @@ def code_digest() -> str:
                     and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                     and isinstance(body[0].value.value, str)):
                 node.body = body[1:] or [ast.Pass()]
-        h.update(ast.dump(tree).encode())
+        h.update(_shape(tree).encode())
     return h.hexdigest()[:16]
+
+
+def _shape(node) -> str:
+    """A syntax tree as text, leaving out the fields that are empty or None, which ``ast.dump`` shows by version
+    (3.12 added ``type_params=[]`` to every function, 3.13 leaves the empty ones out)."""
+    if isinstance(node, ast.AST):
+        fields = (f"{name}={_shape(value)}" for name, value in ast.iter_fields(node) if value is not None and value != [])
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(map(_shape, node))}]"
+    return repr(node)
 
 
 def package_versions(tokenizer: dict) -> dict[str, str | None]:
