@@ -260,13 +260,8 @@ def _encode(corpus: Corpus, tokenizer: dict, fork: bool = False) -> tuple[dict, 
              f"{sum(map(len, corpus.splits.values())):,}", ", ".join(corpus.splits), tokenizer.get("name"))
     jobs = [(corpus, tokenizer, side) for side in SIDES]
     shared = tokenizer.get("name") == "xlmr"
-    if shared:
-        codec = build_codec(tokenizer, corpus.src_lang, corpus.train.src)
-        sides = [(_encode_side(*job, codec), None) for job in jobs]
-    elif fork:
-        sides = in_forked_children(_encode_side, jobs)
-    else:
-        sides = [(_encode_side(*job), None) for job in jobs]
+    codec = build_codec(tokenizer, corpus.src_lang, corpus.train.src) if shared else None
+    sides = in_forked_children(_encode_side, jobs) if fork else [(_encode_side(*job, codec), None) for job in jobs]
     (src, _), (tgt, _) = sides
     return {
         "codecs": {"src": src["codec"], "tgt": tgt["codec"], "shared": shared},
