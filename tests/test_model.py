@@ -1,4 +1,5 @@
-"""The Transformer: masks do what they claim, the KV cache equals the full forward pass, sizes match the paper."""
+"""The Transformer: masks do what they claim, the layers compute what PyTorch's compute, the KV cache equals the full
+forward pass, sizes match the paper."""
 
 import pytest
 import torch
@@ -165,3 +166,63 @@ def test_cpu_dropout_drops_p_scales_the_rest_and_keeps_a_boolean_mask_for_backwa
         masks.append(drop(x.detach()) != 0)
     assert torch.equal(*masks) and not torch.equal(masks[0], keep)  # the generator's state decides the mask
     assert torch.equal(drop.eval()(x), x)
+
+
+def _torch_reference(model: Transformer) -> tuple[torch.nn.TransformerEncoder, torch.nn.TransformerDecoder]:
+    """PyTorch's own encoder and decoder layers (``nn.TransformerEncoderLayer``, the layers of ``nn.Transformer``),
+    holding this model's weights: the query, key and value projections packed into ``in_proj``."""
+    a = model.args
+    nn = torch.nn
+    layer = dict(d_model=a.d_model, nhead=a.n_heads, dim_feedforward=a.d_ff, dropout=0.0, batch_first=True,
+                 norm_first=a.norm_first)
+    final = (lambda: nn.LayerNorm(a.d_model)) if a.norm_first else (lambda: None)  # nn.Transformer always has one
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer), a.encoder_layers, norm=final(),
+                                    enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(nn.TransformerDecoderLayer(**layer), a.decoder_layers, norm=final())
+
+    def attention(theirs, ours):
+        theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        theirs.out_proj.load_state_dict(ours.out_proj.state_dict())
+
+    def block(theirs, ours, attentions, residuals):
+        for t, o in attentions:
+            attention(t, o)
+        theirs.linear1.load_state_dict(ours.ff.w1.state_dict())
+        theirs.linear2.load_state_dict(ours.ff.w2.state_dict())
+        for i, res in enumerate(residuals, 1):
+            getattr(theirs, f"norm{i}").load_state_dict(res.norm.state_dict())
+
+    with torch.no_grad():
+        for t, o in zip(encoder.layers, model.encoder):
+            block(t, o, [(t.self_attn, o.self_attn)], [o.res_attn, o.res_ff])
+        for t, o in zip(decoder.layers, model.decoder):
+            block(t, o, [(t.self_attn, o.self_attn), (t.multihead_attn, o.cross_attn)], [o.res_self, o.res_cross, o.res_ff])
+        if a.norm_first:
+            encoder.norm.load_state_dict(model.enc_norm.state_dict())
+            decoder.norm.load_state_dict(model.dec_norm.state_dict())
+    return encoder.eval(), decoder.eval()
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm (the paper)", "pre-norm"])
+def test_layers_compute_what_pytorchs_transformer_layers_compute_with_the_same_weights(norm_first):
+    """The architecture is the paper's as PyTorch implements it: the same weights in ``nn.TransformerEncoderLayer``
+    and ``nn.TransformerDecoderLayer`` (key padding masks, a causal target mask) give the same logits, gradients
+    included, over a batch padded on both sides."""
+    model = tiny(norm_first=norm_first, init="fairseq")  # fairseq's init: zero biases; perturbed below
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # no zero bias or unit norm weight left to hide a swapped tensor
+    encoder, decoder = _torch_reference(model)
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD]])
+    tgt = torch.tensor([[0, 11, 12, 13], [0, 14, PAD, PAD]])
+    ours = model(src, tgt)
+    pad = src == PAD
+    memory = encoder(model.src_embed(src), src_key_padding_mask=pad)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), dtype=torch.bool)
+    hidden = decoder(model.tgt_embed(tgt), memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=pad)
+    theirs = model.generator(hidden)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    grad_ours = torch.autograd.grad(ours.square().sum(), model.src_embed.tokens.weight)[0]
+    grad_theirs = torch.autograd.grad(theirs.square().sum(), model.src_embed.tokens.weight)[0]
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-4, atol=1e-5)
