@@ -12,20 +12,24 @@ vocabularies are measured on the training data as training prepares it (cached; 
 plan.world_size=N it plans one of N torchrun ranks: with DDP's gradient buckets, or with memory=fsdp its shards.
 """
 
+from __future__ import annotations
+
 import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra import compose, initialize_config_dir
 
 from src.config_check import check_command_line, sweep_with_preset
 from src.errors import UserError, error_lines
 from src.loggers import run_name
-from src.memory import CATEGORIES
-from src.planner import Estimate, cost_note
-from src.planning import context_gb, plan_config
-from src.settings import resolve_config
+
+if TYPE_CHECKING:
+    from src.planner import Estimate
+# torch and the modules that import it (src.settings, src.memory, src.planner, src.planning) are imported where they
+# are used: --help and a mistyped override are answered without them (as train.py answers)
 
 CONF = Path(__file__).resolve().parent / "conf"
 
@@ -36,6 +40,8 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 
 
 def resolved(overrides: list[str]) -> dict:
+    from src.settings import resolve_config
+
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[*overrides, "paths.output_dir=."])
     return resolve_config(cfg)  # data=files without its paths: one line, as train.py says it
@@ -50,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], []
     try:
         check_command_line(["-m", *args.overrides] if args.multirun else args.overrides)
+        from src.planning import context_gb, plan_config
         sweep = jobs(args.overrides, args.multirun)
         for job in sweep:
             try:
@@ -95,6 +102,9 @@ DEVICE_NOTE = {"cuda": "for CUDA (plan.device: attention in fused kernels)",
 
 
 def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
+    from src.memory import CATEGORIES
+    from src.planner import cost_note
+
     s = est.shape
     print(f"model={conf['model']['name']} ({est.parameters / 1e6:.1f}M parameters, vocabularies "
           f"{info['src_vocab']:,}/{info['tgt_vocab']:,}), memory: {strategy.label}"
@@ -123,6 +133,8 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
 def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) -> None:
     """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
     estimate of the configured setting just printed."""
+    from src.planning import plan_config
+
     if gpu <= context:
         print(f"to fit: nothing fits: plan.gpu_gb={gpu:g} is not more than the {context:g} GB of the CUDA context "
               "(plan.context_gb); give the card's memory in GB")
@@ -141,6 +153,10 @@ def print_table(rows, sweep: list[list[str]]) -> None:
     """One row per job, ranked by peak, numbered as ``train.py -m`` numbers the sweep's jobs. What the jobs share
     (the card, the margins, the worst-case lengths, the device planned for) is said once; where a sweep varies it,
     each row says its own."""
+    from src.memory import CATEGORIES
+    from src.planner import cost_note
+    from src.planning import context_gb
+
     ranked = sorted(rows, key=lambda r: r[3].peak_bytes)
     # memory=auto's row is checked against the budget it was chosen for (memory.budget_gb), the others against the card
     plans = [{**r[1]["plan"], "gpu_gb": r[2].budget_gb} if r[2].auto else r[1]["plan"] for r in ranked]

@@ -18,15 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from src.checkpoint import checkpoint_files, load_translator
 from src.data.corpus import read_lines
 from src.errors import UserError
-from src.evaluate import score, translate
 from src.fileio import write_text
-from src.memory import MemoryStrategy
-from src.settings import resolve_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < least:
             p.error(f"{flag} {value}: must be >= {least}")
     to_stdout = args.output in (None, "-")
+    # torch and the modules that import it, once the arguments are good: --help and a bad flag answer at once
+    import torch
+
+    from src.checkpoint import checkpoint_files, load_translator
+    from src.evaluate import score, translate
+    from src.memory import MemoryStrategy
+    from src.settings import resolve_device
+
     try:
         if not to_stdout and Path(args.output).is_dir():  # said now, not after decoding
             raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")

@@ -435,13 +435,17 @@ def test_train_py_shows_a_line_for_each_problem_and_no_traceback(tmp_path):
     assert proc.returncode == 1 and proc.stderr.startswith("error: ckpt_path=/nowhere/best.pt"), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("args", [["trainer.max_stepz=3", "memory=nosuch"], ["--help"], ["--cfg", "job"]])
-def test_train_py_answers_before_importing_torch(args):
-    """A mistyped override, --help and --cfg are answered without torch and the run's modules (1.5 of 2 s)."""
-    proc = run_cli("-X", "importtime", "train.py", *args)
+@pytest.mark.parametrize("args,status", [
+    (["train.py", "trainer.max_stepz=3", "memory=nosuch"], 1), (["train.py", "--help"], 0),
+    (["train.py", "--cfg", "job"], 0), (["plan.py", "--help"], 0), (["plan.py", "model=nosuch"], 1),
+    (["translate.py", "--help"], 0), (["translate.py", "best.pt", "--beam-size", "0"], 2)])
+def test_the_commands_answer_before_importing_torch(args, status):
+    """A mistyped override or flag, --help and --cfg are answered without torch and the run's modules (1.5 of 2 s)."""
+    proc = run_cli("-X", "importtime", *args)
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "hydra" in imported and "torch" not in imported and "src.run" not in imported
-    assert proc.returncode == (1 if args[0].startswith("trainer") else 0), proc.stderr[-2000:]
+    assert "torch" not in imported and "src.run" not in imported and "src.planner" not in imported
+    assert "hydra" in imported or args[0] == "translate.py"
+    assert proc.returncode == status, proc.stderr[-2000:]
 
 
 def test_the_docs_table_lists_every_case_tried():
