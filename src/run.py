@@ -167,7 +167,7 @@ def train(cfg: DictConfig) -> dict:
             if not continues_here:  # from step 0, or from another run's checkpoint (ckpt_path): a fresh start here
                 clear_for_fresh_start(ckpt_dir, resume, world.main, start=str(resumed[0]) if resumed else "step 0")
             if world.main:
-                remove_partial_writes(ckpt_dir)
+                remove_partial_writes(run_dir, ckpt_dir)
             def relabel(label: str) -> None:
                 """memory=auto's choice, made once the data is read: the summary's and the W&B run's strategy."""
                 summary["strategy"] = label

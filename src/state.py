@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -238,15 +239,21 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_
                     "the one that run would have trained", path, ", ".join(differ))
 
 
-def remove_partial_writes(ckpt_dir: Path) -> None:
-    """The temporary files of checkpoints whose writing was cut short by SIGKILL (atomic_path removes its own
-    otherwise): each as large as the model and its optimizer state, and never read."""
-    partial = sorted(ckpt_dir.glob(".*.pt.*.tmp"))
-    for path in partial:
-        path.unlink(missing_ok=True)
-    if partial:
-        log.warning("removed %d checkpoint(s) left half-written in %s by a run that was killed while writing",
-                    len(partial), ckpt_dir)
+def remove_partial_writes(run_dir: Path, ckpt_dir: Path) -> None:
+    """The temporary files and folders (fileio's atomic writes) whose writing was cut short by SIGKILL (the writer
+    removes its own otherwise), never read: a checkpoint's, as large as the model and its optimizer state; the
+    summary's, the test translations', the tokenizer's. The run directory is this run's (its lock is held)."""
+    for folder in (ckpt_dir, run_dir, run_dir / "tokenizer"):
+        partial = sorted(folder.glob(".*.tmp"))
+        for path in partial:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if partial:
+            log.warning("removed %s left half-written in %s by a run that was killed while writing: %s",
+                        f"{len(partial)} checkpoint(s)" if folder == ckpt_dir else f"{len(partial)} file(s)", folder,
+                        ", ".join(path.name for path in partial))
 
 
 def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start: str = "step 0") -> None:

@@ -173,6 +173,11 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
         path.write_bytes(path.read_bytes()[:1000])  # step 6 would be resumed from: the newest state there is)
     partial = ckpts / ".step_00000008.pt.x1y2z3.tmp"  # atomic_path's temporary file, the run killed while writing
     partial.write_bytes(b"\0" * 1000)
+    run_dir = ckpts.parent  # and those of the summary and of the tokenizer's folder (atomic_dir), killed likewise
+    partial_files = [run_dir / ".summary.json.a1b2.tmp", run_dir / "tokenizer" / ".hf.c3d4.tmp" / "tokenizer.json"]
+    for path in partial_files:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("{")
     with caplog.at_level(logging.WARNING):
         summary = train(fast_cfg("trainer.max_steps=8", "trainer.save_every=2", "trainer.eval_every=8",
                                  "trainer.resume=auto"))
@@ -181,6 +186,8 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
                for r in caplog.records)
     assert summary["steps"] == 8
     assert not partial.exists() and "removed 1 checkpoint(s) left half-written" in caplog.text
+    assert not any(path.exists() for path in partial_files) and not (run_dir / "tokenizer" / ".hf.c3d4.tmp").exists()
+    assert "removed 1 file(s) left half-written in " + str(run_dir) + " " in caplog.text
 
 
 def test_resume_auto_continues_from_best_pt_where_it_is_the_newest_state(fast_cfg, tmp_path, shared_cache):
