@@ -424,7 +424,11 @@ class PeakMemory:
     allocated and reserved bytes and their difference, the fragmentation. The tracker counts every ``every``-th
     step (always the first, which creates the optimizer state, and under DDP the process's first two): on the CPU
     the step's peak itself, on CUDA the split of the tracked tensors at their peak beside the allocator's (which
-    adds its block rounding and cuBLAS workspaces). Measured steps also give the growth of live memory during the first micro-batch's forward and
+    adds its block rounding and cuBLAS workspaces). On the CPU, given the step's micro-batch shapes (``counts``),
+    it also counts every step larger than those counted so far in some dimension, so that the run's peak is
+    exact with every > 1: a step's allocations grow with its micro-batches' pairs and padded lengths, so a step no
+    larger in any of them than a counted one (the same number of micro-batches, each no larger than the counted
+    step's in the same place) peaks no higher. Measured steps also give the growth of live memory during the first micro-batch's forward and
     backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window (one per log line;
     ``skip_window`` drops what happened outside training, such as evaluation) and for the run. ``allocator``
     replaces CUDA's (tests).
@@ -448,6 +452,7 @@ class PeakMemory:
         self._optimizer: torch.optim.Optimizer | None = None
         self._recording = False
         self._ddp_steps = 0  # the steps still to count whatever ``every`` says (see measure)
+        self.counted_shapes: list[tuple] = []  # the largest shapes counted (see counts), none covering another
         self._failed = False  # the last measured step raised: the allocator's peak is its (see measure)
         if self.allocator:  # a sweep's jobs share a process: this run's figures start here
             self.allocator.reset_peak()
@@ -474,12 +479,22 @@ class PeakMemory:
         if self._marks is not None:
             self._marks.setdefault(point, self._live())
 
-    @contextlib.contextmanager
-    def measure(self, step: int = 1):
-        """Context for training step ``step`` (1-based): measured on CUDA, counted by the tracker if sampled."""
+    def counts(self, step: int, shapes: tuple | None = None) -> bool:
+        """Whether the tracker counts training step ``step`` (1-based), whose micro-batches have ``shapes``
+        ((pairs, source positions, target positions) each; None: counted by step number alone, as under torchrun,
+        where the ranks must count the same steps)."""
+        if self.tracker is None:
+            return False
         # DDP: this process's first two steps too. The first shows the tracker the storages of the gradient
         # buckets, the second frees them for new ones: uncounted, the later steps would miss the new buckets
-        counted = self.tracker is not None and ((step - 1) % self.every == 0 or self._ddp_steps > 0)
+        if (step - 1) % self.every == 0 or self._ddp_steps > 0:
+            return True
+        return self.allocator is None and shapes is not None and not any(_covers(c, shapes) for c in self.counted_shapes)
+
+    @contextlib.contextmanager
+    def measure(self, step: int = 1, shapes: tuple | None = None):
+        """Context for training step ``step`` (1-based): measured on CUDA, counted by the tracker if ``counts``."""
+        counted = self.counts(step, shapes)
         self._ddp_steps = max(0, self._ddp_steps - 1)
         if not (self.allocator or counted):
             yield
@@ -506,6 +521,8 @@ class PeakMemory:
         finally:
             marks, self._marks = self._marks, None
         self._record(marks, counted)
+        if counted and shapes is not None:
+            self.counted_shapes = [c for c in self.counted_shapes if not _covers(shapes, c)] + [shapes]
 
     def _fold_allocator_peak(self) -> None:
         """The allocator's peak since its last reset into the window's, unless a failed step reached it."""
@@ -555,7 +572,8 @@ class PeakMemory:
             self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
 
-    RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta")
+    RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta",
+                  "counted_shapes")
 
     def run_state(self) -> dict:
         """The run's peaks so far, for its checkpoints: a resumed run reports the peaks of all its parts."""
@@ -609,12 +627,18 @@ class PeakMemory:
         return path
 
 
+def _covers(larger: tuple, shapes: tuple) -> bool:
+    """Whether a step of micro-batch ``shapes`` is no larger than one of ``larger`` in any dimension: the same
+    number of micro-batches, each with no more pairs, source or target positions than ``larger``'s in its place."""
+    return len(larger) == len(shapes) and all(a <= b for small, big in zip(shapes, larger) for a, b in zip(small, big))
+
+
 def free_earlier_runs() -> None:
     """A sweep's jobs run one after another in one process, and the job before this one leaves its tensors (model,
     optimizer state, the activations of a step that failed) in reference cycles until Python's cycle collector
     next runs: collect them before a run starts, so that its peaks and its room on the card are its own. On CUDA
-    the allocator keeps their blocks reserved; the entry points give them back once per job (train.py before
-    each Hydra job, the experiment scripts before each configuration), never inside a run."""
+    the allocator keeps their blocks reserved; the entry points give them back once per job (``src.run.train``
+    before each run, the experiment scripts before each configuration), never inside a run."""
     gc.collect()
 
 

@@ -569,9 +569,8 @@ class TrainingRun:
             while not self.done():
                 for indices, real, group in self.steps(p.epoch, p.batches_done, p.trained):
                     profiler.step()
-                    self.window.resume()
-                    stats = self.train_step(indices, real, group)
-                    self.window.add(stats, p.epoch)
+                    stats, counted = self.train_step(indices, real, group)
+                    self.window.add(stats, p.epoch, counted)
                     self.check_finite(stats, p.step + 1)
                     # not alive during the next step: its device scalars would be in that step's peak, but not
                     # in a restarted process's first step (a resumed run's peaks must be the run's)
@@ -626,12 +625,16 @@ class TrainingRun:
             parts = len(micro)
             if self.strategy.fsdp and world.distributed:  # as many forward and backward passes on every rank
                 micro += micro[-1:] * (max(min(p.accum_steps, len(b)) for b in group) - parts)
+            # the micro-batches' shapes: on one process, a step larger than those the tracker counted is counted
+            shapes = None if world.distributed else tuple((len(b), b.src.size(1), b.tgt_in.size(1)) for b in micro)
+            counted = peak.counts(step, shapes)
+            self.window.resume(counted)  # a counted step's time apart (Window)
             try:
-                with peak.measure(step):
+                with peak.measure(step, shapes):
                     self.fault.maybe_raise(step, self.trainer)
                     stats = self.trainer.step(micro, step_tokens, real, real_parts=parts)
                 peak.record_history(False)  # after a back-off: the step was redone
-                return stats
+                return stats, counted
             except torch.OutOfMemoryError as e:
                 self.optimizer.zero_grad(set_to_none=True)
                 reason = str(e).splitlines()[0]
@@ -803,9 +806,9 @@ class TrainingRun:
     def figures(self) -> dict:
         """The training figures so far: steps, throughput (up to the last log line), memory, best validation."""
         p, window, peak, peak_tflops = self.p, self.window, self.peak, self.peak_tflops
-        train_s = max(window.total_seconds, 1e-9)
         timed = window.total_seconds > 0  # a run stopped before its first log line timed no step: no throughput
-        tflops = window.total_flops / train_s / 1e12 if timed else None
+        tokens_per_s, flops_per_s, tracked = window.rates(total=True)
+        tflops = flops_per_s / 1e12 if timed else None
         return {
             "strategy": self.strategy.label,  # memory=auto: what it chose, e.g. auto(amp+accum)
             "steps": p.step,
@@ -813,7 +816,8 @@ class TrainingRun:
             "src_tokens": window.total_src_tokens,
             "tgt_tokens": window.total_tgt_tokens,
             "train_s": round(window.total_seconds, 2),
-            "tokens_per_s": round((window.total_src_tokens + window.total_tgt_tokens) / train_s, 1) if timed else None,
+            "tokens_per_s": round(tokens_per_s, 1) if timed else None,  # over the steps the tracker did not count
+            "tokens_per_s_tracked": tracked if timed else None,  # it counted every step: its cost is in tokens_per_s
             "padding_ratio": round(window.padding_ratio(total=True), 4),
             "model_tflops": float(f"{tflops:.4g}") if timed else None,  # model FLOP/s, ModelArgs.training_flops
             "mfu": float(f"{tflops / (peak_tflops * self.world.size):.4g}") if peak_tflops and timed else None,

@@ -137,27 +137,54 @@ def test_peak_is_split_into_categories_that_add_up():
 
 
 def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
-    """trainer.memory_every=3: steps 1 and 4 are measured; their rows split the step's peak by category and
-    give the forward growth and the backward change; other rows carry no memory figures."""
+    """trainer.memory_every=3: steps 1 and 4 are counted, and on the CPU every step larger than those counted
+    before in some dimension of its micro-batches; their rows split the step's peak by category and give the
+    forward growth and the backward change; other rows carry no memory figures. The run's peak and split are those
+    of counting every step, to the byte."""
     import json
     from pathlib import Path
 
     from src.run import train
 
-    cfg = fast_cfg("trainer.memory_every=3", "trainer.log_every=1", "trainer.eval_every=6")
+    settings = ["trainer.max_steps=24", "trainer.log_every=1", "trainer.eval_every=24"]
+    every = train(fast_cfg(*settings))
+    cfg = fast_cfg(*settings, "trainer.memory_every=3", "trainer.resume=never")
     summary = train(cfg)
     rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
     train_rows = {r["step"]: r for r in rows if "loss" in r}
-    assert sorted(s for s, r in train_rows.items() if "step_peak_mb" in r) == [1, 4]
-    assert all("peak_memory_mb" not in train_rows[s] for s in (2, 3, 5, 6))
-    for s in (1, 4):
+    counted = sorted(s for s, r in train_rows.items() if "step_peak_mb" in r)
+    assert {1, 4, 7, 10} <= set(counted) and len(counted) < 24, counted  # larger steps besides the sampled ones
+    assert all("peak_memory_mb" not in train_rows[s] for s in set(train_rows) - set(counted))
+    for s in counted:
         r = train_rows[s]
         split = sum(r[f"mem_{c}_mb"] for c in CATEGORIES)
         assert abs(split - r["step_peak_mb"]) <= 0.1 * len(CATEGORIES)  # rounding of each figure to 0.1
         assert r["mem_forward_delta_mb"] > 0 and r["mem_parameters_mb"] > 0
         assert r["mem_forward_delta_mb"] + r["mem_backward_delta_mb"] < r["mem_forward_delta_mb"]
-    assert summary["peak_memory_mb"] == max(train_rows[s]["step_peak_mb"] for s in (1, 4))
+    assert summary["peak_memory_mb"] == max(train_rows[s]["step_peak_mb"] for s in counted)
     assert summary["memory_delta_mb"]["forward"] >= train_rows[4]["mem_forward_delta_mb"]
+    assert summary["peak_memory_mb"] == every["peak_memory_mb"]
+    assert summary["peak_memory_split_mb"] == every["peak_memory_split_mb"]
+    assert summary["tokens_per_s_tracked"] is False and every["tokens_per_s_tracked"] is True
+
+
+def test_a_step_no_larger_than_a_counted_one_is_not_counted_on_the_cpu():
+    """PeakMemory.counts: with every=10, a step whose micro-batches are each no larger in pairs, source and target
+    positions than a counted step's (the same number of them) is left to sampling; a larger one in any dimension,
+    or one of another number of micro-batches (an out-of-memory back-off), is counted. Without shapes (torchrun,
+    where the ranks must count the same steps) and with CUDA's allocator, by step number alone."""
+    peak = PeakMemory(torch.device("cpu"), every=10)
+    first = ((16, 20, 22),)
+    assert peak.counts(2, first)  # nothing counted yet
+    with peak.measure(2, first):
+        pass
+    assert not peak.counts(3, first) and not peak.counts(3, ((16, 12, 22),)) and not peak.counts(3, None)
+    assert peak.counts(3, ((17, 12, 10),)) and peak.counts(3, ((16, 20, 23),)) and peak.counts(11, first)
+    assert peak.counts(3, ((8, 20, 22), (8, 20, 22)))
+    with peak.measure(3, ((16, 30, 30),)):  # covers the first: one largest shape kept
+        pass
+    assert peak.counted_shapes == [((16, 30, 30),)] and not peak.counts(4, ((16, 25, 22),))
+    assert not PeakMemory(torch.device("cpu"), every=10, allocator=StandInAllocator()).counts(2, first)
 
 
 class StandInAllocator:

@@ -689,6 +689,32 @@ def test_a_windows_grad_norm_leaves_out_fp16_skipped_steps():
     assert "grad_norm" not in window.flush()
 
 
+def test_throughput_leaves_out_the_steps_the_memory_tracker_counted(monkeypatch):
+    """The tracker's Python call per operator slows the steps it counts: a window's and the run's tokens/s and
+    model FLOP/s are those of the other steps, each kind of step timed on its own clock; where it counted every
+    step, they are of all (and say so)."""
+    import src.window
+    from src.trainer import StepStats
+    from src.window import Window
+
+    now = [0.0]
+    monkeypatch.setattr(src.window.time, "perf_counter", lambda: now[0])
+    window = Window(torch.device("cpu"))
+    for counted, seconds in ((True, 3.0), (False, 1.0), (False, 1.0), (True, 5.0), (False, 2.0)):
+        window.resume(counted)
+        now[0] += seconds
+        window.add(StepStats(torch.tensor(1.0), torch.tensor(1.0), 60, 40, 120, torch.tensor(1.0), False,
+                             flops=10**12), counted=counted)
+    metrics = window.flush()
+    assert metrics["window_s"] == 12.0 and metrics["tokens_per_s"] == 300 / 4.0 and metrics["model_tflops"] == 0.75
+    assert window.rates(total=True) == (75.0, 0.75e12, False)
+    window.resume(True)
+    now[0] += 4.0
+    window.add(StepStats(torch.tensor(1.0), torch.tensor(1.0), 60, 40, 120, torch.tensor(1.0), False), counted=True)
+    assert window.flush()["tokens_per_s"] == 100 / 4.0  # every step of the window counted: theirs
+    assert window.rates(total=True)[::2] == (300 / 4.0, False)
+
+
 def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
     """19 batches an epoch: steps 1-19 are epoch 0, 20-38 epoch 1. The window that ends the run is logged with
     its own epoch, not the next one the loop moved to."""
