@@ -32,13 +32,9 @@ def main(cfg: DictConfig) -> float:
     import torch
 
     from src.faults import pass_on_signal
-    from src.memory import free_earlier_runs
     from src.run import train
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    if torch.cuda.is_initialized():  # a sweep's earlier job, in this process: the blocks the allocator kept for it
-        free_earlier_runs()
-        torch.cuda.empty_cache()  # so this job's reserved memory and fragmentation are its own
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)

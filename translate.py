@@ -52,11 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag} {value}: must be >= {least}")
     to_stdout = args.output in (None, "-")
     # torch and the modules that import it, once the arguments are good: --help and a bad flag answer at once
-    import torch
-
     from src.checkpoint import checkpoint_files, load_translator
-    from src.evaluate import score, translate
-    from src.memory import MemoryStrategy
+    from src.evaluate import score
     from src.settings import resolve_device
 
     try:
@@ -82,14 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if references is not None and (blank := [i for i, r in enumerate(references, 1) if not r.strip()]):
             print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
                   "each scored as a reference of no words", file=sys.stderr)
-        with torch.inference_mode():  # a blank line: an empty translation
-            hyps = translate(model, sources, src_codec, tgt_codec, device,
-                             source_name="standard input" if args.input == "-" else args.input,
-                             max_positions=args.max_positions,
-                             batch_size=decoding["batch_size"], beam_size=decoding["beam_size"],
-                             alpha=decoding["length_penalty"], max_len_a=decoding["max_len_a"],
-                             max_len_b=decoding["max_len_b"],
-                             autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
+        hyps = decode(model, sources, src_codec, tgt_codec, device, decoding, args.max_positions,
+                      source_name="standard input" if args.input == "-" else args.input)
         text = "".join(h + "\n" for h in hyps)
         if not to_stdout:
             try:
@@ -108,15 +99,52 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def translate_lines(checkpoint, sentences: list[str], device: str = "auto", tokenizer: str | None = None,
+                    max_positions: int | None = None, **flags) -> list[str]:
+    """This command from Python (a notebook): the translations of ``sentences`` by ``checkpoint`` (a checkpoint
+    file, several of one run, averaged, or a run directory: what it tested with), decoded as the run did unless
+    ``flags`` say otherwise (``beam_size``, ``length_penalty``, ``max_len_a``, ``max_len_b``, ``batch_size``,
+    ``amp``: the command's flags)."""
+    from src.checkpoint import load_translator
+    from src.settings import resolve_device
+
+    if unknown := set(flags) - {*DECODING_DEFAULTS, "amp"}:
+        raise TypeError(f"translate_lines: unknown decoding setting(s) {', '.join(sorted(unknown))}; expected "
+                        f"{', '.join([*DECODING_DEFAULTS, 'amp'])}")
+    device = resolve_device(device, key="device ")
+    model, src_codec, tgt_codec, ckpt = load_translator(checkpoint, device, tokenizer)
+    return decode(model, sentences, src_codec, tgt_codec, device, run_decoding(ckpt, argparse.Namespace(**flags)),
+                  max_positions)
+
+
+def decode(model, sentences: list[str], src_codec, tgt_codec, device, decoding: dict, max_positions: int | None,
+           source_name: str = "input") -> list[str]:
+    """The translations of ``sentences`` with the ``decoding`` settings (``run_decoding``); a blank line's is
+    empty."""
+    import torch
+
+    from src.evaluate import translate
+    from src.memory import MemoryStrategy
+
+    with torch.inference_mode():
+        return translate(model, sentences, src_codec, tgt_codec, device, source_name=source_name,
+                         max_positions=max_positions, batch_size=decoding["batch_size"],
+                         beam_size=decoding["beam_size"], alpha=decoding["length_penalty"],
+                         max_len_a=decoding["max_len_a"], max_len_b=decoding["max_len_b"],
+                         autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
+
+
+DECODING_DEFAULTS = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
+
+
 def run_decoding(ckpt: dict, args: argparse.Namespace | None = None) -> dict:
     """The decoding settings: the flags given (none without ``args``), else the run's own (its trainer config and
     memory strategy in the checkpoint), else the config's defaults."""
     config = ckpt.get("config") or {}
     run = config.get("trainer") or {}
-    defaults = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
     in_run = {"batch_size": "eval_batch_size"}  # the run's key where its name differs
     decoding = {key: next(v for v in (getattr(args, key, None), run.get(in_run.get(key, key)), default) if v is not None)
-                for key, default in defaults.items()}
+                for key, default in DECODING_DEFAULTS.items()}
     # the strategy the run trained and evaluated with: memory=auto's choice (amp, say) is not in its config
     strategy = ckpt.get("strategy") or {"amp": (config.get("memory") or {}).get("amp")}
     amp = getattr(args, "amp", None) or strategy.get("amp")

@@ -47,6 +47,14 @@ def _clean(value):
     return value
 
 
+def run_dir_key() -> str:
+    """The setting that names the run directory: Hydra's under train.py, the config's own where it is composed
+    and run from Python (``src.run.train(cfg)``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return "hydra.run.dir" if HydraConfig.initialized() else "paths.output_dir"
+
+
 def hydra_job() -> dict:
     """What Hydra says about the job this process runs: its overrides, its run directory and, in a multirun, the
     sweep directory and job number. Empty outside Hydra (``train(cfg)`` called from Python)."""

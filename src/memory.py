@@ -646,10 +646,15 @@ def reset_peak_rss() -> None:
     """Start a new peak-RSS measurement, so each run of a sweep (one process) reports its own peak. The memory
     that malloc keeps after an earlier run (``keep_freed_host_memory``) goes back to the kernel first; Linux then
     resets the high-water mark on writing 5 to /proc/self/clear_refs. Elsewhere the process peak stays."""
-    if glibc := _glibc():
-        glibc.malloc_trim(0)
+    return_host_memory()
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def return_host_memory() -> None:
+    """Hand the memory malloc holds free (``keep_freed_host_memory``: a run's peak) back to the kernel (glibc)."""
+    if glibc := _glibc():
+        glibc.malloc_trim(0)
 
 
 def peak_rss_mb() -> float:

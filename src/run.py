@@ -17,12 +17,14 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
 from .building import build_model, build_optimizer, seed_everything
@@ -45,7 +47,7 @@ from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
-from .loggers import NullLogger, RunLogger, hydra_job, run_name
+from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
 from .memory import (
     MemoryStrategy,
     PeakMemory,
@@ -55,11 +57,12 @@ from .memory import (
     memory_strategy,
     peak_rss_mb,
     reset_peak_rss,
+    return_host_memory,
 )
 from .model import Transformer
 from .planning import choose_for_budget
 from .profiling import StepProfiler
-from .settings import check_settings, check_threads, from_launch_dir, resolve_config, resolve_device
+from .settings import check_settings, check_threads, from_launch_dir, resolve_config, resolve_device, unresolved
 from .state import (
     Progress,
     check_resumable,
@@ -108,8 +111,13 @@ def train(cfg: DictConfig) -> dict:
     into ``cfg.paths.output_dir`` and returns the summary. Errors are recorded in the summary, then raised."""
     started = time.perf_counter()
     free_earlier_runs()  # a sweep's earlier job, in this process
+    if torch.cuda.is_initialized():  # and the blocks the allocator kept for it: this run's reserved memory is its own
+        torch.cuda.empty_cache()
     reset_peak_rss()
-    run_dir = Path(cfg.paths.output_dir)
+    try:
+        run_dir = Path(cfg.paths.output_dir)
+    except OmegaConfBaseException as e:  # composed in a notebook without it: one line, not OmegaConf's traceback
+        raise unresolved(e) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     job = hydra_job()
     if job and Path(job["output_dir"]).resolve() != run_dir.resolve():
@@ -182,6 +190,13 @@ def train(cfg: DictConfig) -> dict:
         raise
     except BaseException as e:
         summary.update(_failure(e))
+        if isinstance(e, torch.OutOfMemoryError):
+            # The frames the error passed through hold the model, its optimizer state and the step's tensors, as
+            # long as the error lives: in a notebook (IPython keeps the last one), on the card the next cell's run
+            # needs. Their local variables go (the traceback still prints); other errors keep them for %debug.
+            for error in (e, e.__cause__, e.__context__):
+                if error is not None:
+                    traceback.clear_frames(error.__traceback__)
         raise
     finally:
         torch.set_num_threads(threads)
@@ -200,6 +215,10 @@ def train(cfg: DictConfig) -> dict:
         if logger is not None:
             logger.finish(summary)
         held.close()
+        # the run's tensors (some in reference cycles) and the pages malloc kept for them: a notebook's process
+        # would hold the run's peak until its next run (the next job of a sweep gave them back, at its start)
+        free_earlier_runs()
+        return_host_memory()
     return summary
 
 
@@ -243,7 +262,7 @@ def hold_run_dir(run_dir: Path, held: contextlib.ExitStack) -> None:
     if not held.enter_context(locked(lock, wait=False, note=f"pid {os.getpid()} on {socket.gethostname()}\n")):
         holder = lock.read_text(encoding="utf-8").strip() if lock.is_file() else ""
         raise RunDirBusy(f"{run_dir}: another process is running in this directory ({holder or 'its lock: ' + str(lock)});"
-                         " give this run its own (hydra.run.dir=...), or wait for that one to end")
+                         f" give this run its own ({run_dir_key()}=...), or wait for that one to end")
 
 
 @contextlib.contextmanager

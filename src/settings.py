@@ -130,7 +130,17 @@ def resolve_config(cfg: DictConfig) -> dict:
     except MissingMandatoryValue as e:  # (an interpolation of a required key)
         raise ConfigError(f"{e.full_key} is required: add {e.full_key}=... to the command line") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"{getattr(e, 'full_key', None) or 'config'}: {str(e).splitlines()[0]}") from None
+        raise unresolved(e) from None
+
+
+def unresolved(e: OmegaConfBaseException) -> ConfigError:
+    """One line for a setting that does not resolve. ``${hydra:...}`` (paths.output_dir: Hydra's run directory)
+    resolves only in a job Hydra runs: a config composed with Hydra's compose API (a notebook) must set it."""
+    key, first = getattr(e, "full_key", None) or "config", str(e).splitlines()[0]
+    if "HydraConfig was not set" in first:
+        return ConfigError(f"{key}: set by Hydra only when train.py runs; composing the config yourself, give it: "
+                           f"compose(config_name='train', overrides=[..., '{key}=outputs/runs/mine'])")
+    return ConfigError(f"{key}: {first}")
 
 
 # settings that name files or folders to read (tokenizer.name_or_path: where it is a folder, not a hub name)

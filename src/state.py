@@ -24,6 +24,7 @@ import torch
 
 from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because, zipped
 from .errors import ConfigError
+from .loggers import run_dir_key
 
 log = logging.getLogger(__name__)
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -271,7 +272,7 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start:
     if resume not in ("auto", "never"):
         raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {(stale or [best])[0].name}): add "
                           "trainer.resume=auto to continue that run, trainer.resume=never to start over (they are "
-                          "removed), or set hydra.run.dir to a new directory")
+                          f"removed), or set {run_dir_key()} to a new directory")
     if main:
         for path in [*stale, best, ckpt_dir.parent / "summary.json", ckpt_dir.parent / "test.hyp.txt"]:
             path.unlink(missing_ok=True)

@@ -124,9 +124,17 @@ def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp
     capsys.readouterr()
     assert translate_test_set(cfg, tmp_path) == hyps
     assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, batch_size 7, amp bf16\n" in capsys.readouterr().err
-    assert translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none",
-                             "--batch-size", "20") != hyps
+    greedy = translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none",
+                                "--batch-size", "20")
+    assert greedy != hyps
     assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, batch_size 20, amp none\n" in capsys.readouterr().err
+    # from Python (a notebook), given the run directory: the same translations, as the run decoded or as told
+    sources = (tmp_path / "test.de").read_text().splitlines()
+    assert translate.translate_lines(cfg.paths.output_dir, sources, device="cpu") == hyps
+    assert translate.translate_lines(cfg.paths.output_dir, sources, device="cpu", beam_size=1, max_len_b=10, amp="none",
+                                     batch_size=20) == greedy
+    with pytest.raises(TypeError, match="unknown decoding setting.* beams; expected beam_size"):
+        translate.translate_lines(cfg.paths.output_dir, sources, beams=2)
 
 
 def test_translate_py_decodes_with_the_precision_memory_auto_chose():
@@ -713,6 +721,33 @@ def test_throughput_leaves_out_the_steps_the_memory_tracker_counted(monkeypatch)
     window.add(StepStats(torch.tensor(1.0), torch.tensor(1.0), 60, 40, 120, torch.tensor(1.0), False), counted=True)
     assert window.flush()["tokens_per_s"] == 100 / 4.0  # every step of the window counted: theirs
     assert window.rates(total=True)[::2] == (300 / 4.0, False)
+
+
+def test_a_config_composed_in_python_is_told_its_run_directory_and_an_oom_leaves_no_model_behind(tmp_path,
+                                                                                                   shared_cache):
+    """From Python (a notebook): a config composed with Hydra's compose API has no run directory (Hydra's, which
+    only train.py sets), and is told in one line which setting to give. A run that fails out of memory leaves its
+    model and optimizer to the garbage collector while its error is kept, as IPython keeps the last one (on a GPU
+    they held the card the next cell's run needed)."""
+    import gc
+
+    from src.errors import ConfigError
+    from src.model import Transformer
+    from src.settings import resolve_config
+
+    told = "paths.output_dir: set by Hydra only when train.py runs; composing the config yourself, give it: "
+    unset = compose_config(*FAST, cache_dir=shared_cache)
+    for call in (train, resolve_config):
+        with pytest.raises(ConfigError) as e:
+            call(unset)
+        assert str(e.value).startswith(told) and "'paths.output_dir=outputs/runs/mine'" in str(e.value)
+    cfg = compose_config(*FAST, "fault.kind=oom", "fault.at_step=2", "fault.times=9", run_dir=tmp_path / "run",
+                         cache_dir=shared_cache)
+    with pytest.raises(torch.OutOfMemoryError) as kept:
+        train(cfg)
+    gc.collect()
+    assert kept.value is not None and not [o for o in gc.get_objects() if type(o) in (Transformer, torch.optim.Adam)]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "oom"
 
 
 def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
