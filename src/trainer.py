@@ -181,6 +181,7 @@ class StepStats:
     nonfinite: bool = False  # the loss or the gradients were NaN or infinite: no update (trainer.on_nonfinite)
     flops: int = 0  # the model FLOPs of the step's forward and backward passes (ModelArgs.training_flops)
     lr: float = 0.0  # the learning rate this step's update used (the schedule has moved on to the next step's)
+    n_pairs: int = 0  # sentence pairs (each side's tokens include its </s>: a pair has two tokens besides its words)
 
 
 class AgreedOutOfMemoryError(torch.OutOfMemoryError):
@@ -304,7 +305,7 @@ class Trainer:
         n_padded = sum(b.n_padded for b in counted)
         flops = sum(model.args.training_flops(*b.src.shape, b.tgt_out.size(1)) for b in counted)
         return StepStats(loss_total, nll_total, local_tokens, n_src, n_padded, grad_norm.detach(), skipped,
-                         nonfinite, flops, lr)
+                         nonfinite, flops, lr, sum(len(b) for b in counted))
 
     def _update(self, loss_total: Tensor) -> tuple[bool, Tensor]:
         """Unscale (fp16), clip, check and take the optimizer step: (whether it was non-finite, the gradient norm)."""

@@ -28,7 +28,7 @@ class Window:
         self.reset()
 
     def reset(self) -> None:
-        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = 0
+        self.steps = self.tgt_tokens = self.src_tokens = self.padded = self.skipped = self.flops = self.pairs = 0
         self.loss_tokens = 0  # the target tokens of the updates taken: the loss's denominator
         self.loss = self.nll = self.grad_norm = self.lr = 0.0
         self.epoch = 0  # the epoch of the window's last step
@@ -60,6 +60,7 @@ class Window:
         self.src_tokens += stats.n_src_tokens
         self.padded += stats.n_padded
         self.flops += stats.flops
+        self.pairs += stats.n_pairs
         if counted:
             self.counted_tokens += stats.n_src_tokens + stats.n_tgt_tokens
             self.counted_flops += stats.flops
@@ -113,10 +114,11 @@ class Window:
             return {}
         if self.world.distributed:  # the sums over the ranks (the gradient norm is the same on all of them)
             # (the ranks count the same steps: PeakMemory counts by step number alone under torchrun)
-            self.loss, self.nll, tgt, src, padded, flops, loss_tokens, c_tokens, c_flops = self.world.all_sum(
+            self.loss, self.nll, tgt, src, padded, flops, loss_tokens, c_tokens, c_flops, pairs = self.world.all_sum(
                 [self.loss, self.nll, self.tgt_tokens, self.src_tokens, self.padded, self.flops, self.loss_tokens,
-                 self.counted_tokens, self.counted_flops], self.device)
+                 self.counted_tokens, self.counted_flops, self.pairs], self.device)
             self.tgt_tokens, self.src_tokens, self.padded, self.flops = int(tgt), int(src), int(padded), int(flops)
+            self.pairs = int(pairs)
             self.loss_tokens, self.counted_tokens, self.counted_flops = int(loss_tokens), int(c_tokens), int(c_flops)
         self.total_seconds += self.seconds
         self.total_src_tokens += self.src_tokens
@@ -137,6 +139,7 @@ class Window:
             "lr": self.lr,
             "tokens_per_s": tokens_per_s,  # over the steps the memory tracker did not count, if any (rates)
             "tgt_tokens": self.tgt_tokens,
+            "pairs": self.pairs,  # the sentence pairs trained (tokens less 2 x pairs: words, without each </s>)
             "padding_ratio": self.padding_ratio(),
             "model_tflops": flops_per_s / 1e12,  # model FLOP/s (ModelArgs.training_flops), as tokens_per_s
             "epoch": self.epoch,

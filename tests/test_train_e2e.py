@@ -58,6 +58,9 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [2, 3, 4, 6]  # every log_every steps, and before each validation
     assert all({"loss", "lr", "tokens_per_s", "peak_memory_mb", "model_tflops"} <= r.keys() for r in train_rows)
+    # the pairs trained, as the checkpoint of the last step lists them (the step's tokens count each side's </s>)
+    trained = load_checkpoint(run / "checkpoints" / "step_00000006.pt")["progress"]["trained"]
+    assert sum(r["pairs"] for r in train_rows) == len(trained) == 6 * 16
     # a row's lr is the rate its last update used (the schedule's after step - 1 updates), not the next step's
     factor = inverse_sqrt_schedule(cfg.optim.warmup_steps)
     assert [r["lr"] for r in train_rows] == pytest.approx([cfg.optim.lr * factor(r["step"] - 1) for r in train_rows])
