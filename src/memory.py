@@ -428,10 +428,10 @@ class PeakMemory:
     it also counts every step larger than those counted so far in some dimension, so that the run's peak is
     exact with every > 1: a step's allocations grow with its micro-batches' pairs and padded lengths, so a step no
     larger in any of them than a counted one (the same number of micro-batches, each no larger than the counted
-    step's in the same place) peaks no higher. Measured steps also give the growth of live memory during the first micro-batch's forward and
-    backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window (one per log line;
-    ``skip_window`` drops what happened outside training, such as evaluation) and for the run. ``allocator``
-    replaces CUDA's (tests).
+    step's in the same place) peaks no higher. Measured steps also give the growth of live memory during the first
+    micro-batch's forward and backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window
+    (one per log line; ``skip_window`` drops what happened outside training, such as evaluation) and for the run.
+    ``allocator`` replaces CUDA's (tests).
     """
 
     def __init__(self, device: torch.device, track: bool = True, every: int | None = None, allocator=None):
