@@ -424,11 +424,14 @@ class PeakMemory:
     allocated and reserved bytes and their difference, the fragmentation. The tracker counts every ``every``-th
     step (always the first, which creates the optimizer state, and under DDP the process's first two): on the CPU
     the step's peak itself, on CUDA the split of the tracked tensors at their peak beside the allocator's (which
-    adds its block rounding and cuBLAS workspaces). On the CPU, given the step's micro-batch shapes (``counts``),
-    it also counts every step larger than those counted so far in some dimension, so that the run's peak is
-    exact with every > 1: a step's allocations grow with its micro-batches' pairs and padded lengths, so a step no
-    larger in any of them than a counted one (the same number of micro-batches, each no larger than the counted
-    step's in the same place) peaks no higher. Measured steps also give the growth of live memory during the first
+    adds its block rounding and cuBLAS workspaces). On the CPU, given the step's micro-batch shapes
+    (``step_shapes``), it also counts every step larger than those counted so far in some dimension, so that the
+    run's peak is exact with every > 1: a step's allocations grow with its micro-batches' pairs and padded lengths
+    (and, under chunked_ce, real target tokens), so a step no larger in any of them than a counted one (the same
+    number of micro-batches, each no larger than the counted step's in the same place) peaks no higher. A counted
+    step's shapes cover others only once the optimizer state exists at its start: the first step creates that
+    state, so it peaks lower than a later step of its shapes. They are not kept in checkpoints: a resumed run
+    (perhaps with another strategy) counts its own. Measured steps also give the growth of live memory during the first
     micro-batch's forward and backward passes (``mark``, called by ``Trainer.step``). Peaks are kept per window
     (one per log line; ``skip_window`` drops what happened outside training, such as evaluation) and for the run.
     ``allocator`` replaces CUDA's (tests).
@@ -481,8 +484,8 @@ class PeakMemory:
 
     def counts(self, step: int, shapes: tuple | None = None) -> bool:
         """Whether the tracker counts training step ``step`` (1-based), whose micro-batches have ``shapes``
-        ((pairs, source positions, target positions) each; None: counted by step number alone, as under torchrun,
-        where the ranks must count the same steps)."""
+        (``step_shapes``; None: counted by step number alone, as under torchrun, where the ranks must count the
+        same steps)."""
         if self.tracker is None:
             return False
         # DDP: this process's first two steps too. The first shows the tracker the storages of the gradient
@@ -493,11 +496,14 @@ class PeakMemory:
 
     @contextlib.contextmanager
     def measure(self, step: int = 1, shapes: tuple | None = None):
-        """Context for training step ``step`` (1-based): measured on CUDA, counted by the tracker if ``counts``."""
+        """Context for training step ``step`` (1-based), giving whether the tracker counts it (``counts``):
+        measured on CUDA, counted if so."""
         counted = self.counts(step, shapes)
         self._ddp_steps = max(0, self._ddp_steps - 1)
+        # the optimizer state exists before the step (not created in it): its shapes may cover later steps
+        covers = counted and shapes is not None and (self._optimizer is None or bool(self._optimizer.state))
         if not (self.allocator or counted):
-            yield
+            yield False
             return
         self._marks = {}
         if self.allocator:
@@ -511,7 +517,7 @@ class PeakMemory:
             self.tracker.reset_peak()
         try:
             with self.tracker if counted else contextlib.nullcontext():
-                yield
+                yield counted
         except BaseException:
             # A step that failed (out of memory, then redone with more accumulation, or the run's end) is in no
             # figure: its peak says what did not fit, not what the run needs. On CUDA the allocator's peak holds it
@@ -521,7 +527,7 @@ class PeakMemory:
         finally:
             marks, self._marks = self._marks, None
         self._record(marks, counted)
-        if counted and shapes is not None:
+        if covers:
             self.counted_shapes = [c for c in self.counted_shapes if not _covers(shapes, c)] + [shapes]
 
     def _fold_allocator_peak(self) -> None:
@@ -572,8 +578,7 @@ class PeakMemory:
             self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
 
-    RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta",
-                  "counted_shapes")
+    RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta")
 
     def run_state(self) -> dict:
         """The run's peaks so far, for its checkpoints: a resumed run reports the peaks of all its parts."""
@@ -627,10 +632,17 @@ class PeakMemory:
         return path
 
 
+def step_shapes(micro: list, real_targets: bool = False) -> tuple:
+    """What a training step's allocations grow with, per micro-batch: its pairs, source and target positions and,
+    with ``real_targets`` (memory=chunked_ce, whose loss gathers the non-padding positions), its target tokens."""
+    return tuple((len(b), b.src.size(1), b.tgt_in.size(1), *((b.n_tgt_tokens,) if real_targets else ())) for b in micro)
+
+
 def _covers(larger: tuple, shapes: tuple) -> bool:
     """Whether a step of micro-batch ``shapes`` is no larger than one of ``larger`` in any dimension: the same
     number of micro-batches, each with no more pairs, source or target positions than ``larger``'s in its place."""
-    return len(larger) == len(shapes) and all(a <= b for small, big in zip(shapes, larger) for a, b in zip(small, big))
+    return len(larger) == len(shapes) and all(len(small) == len(big) and all(a <= b for a, b in zip(small, big))
+                                              for small, big in zip(shapes, larger))
 
 
 def free_earlier_runs() -> None:

@@ -58,6 +58,7 @@ from .memory import (
     peak_rss_mb,
     reset_peak_rss,
     return_host_memory,
+    step_shapes,
 )
 from .model import Transformer
 from .planning import choose_for_budget
@@ -644,12 +645,11 @@ class TrainingRun:
             parts = len(micro)
             if self.strategy.fsdp and world.distributed:  # as many forward and backward passes on every rank
                 micro += micro[-1:] * (max(min(p.accum_steps, len(b)) for b in group) - parts)
-            # the micro-batches' shapes: on one process, a step larger than those the tracker counted is counted
-            shapes = None if world.distributed else tuple((len(b), b.src.size(1), b.tgt_in.size(1)) for b in micro)
-            counted = peak.counts(step, shapes)
-            self.window.resume(counted)  # a counted step's time apart (Window)
+            # on one process, a step larger than those the tracker counted is counted (PeakMemory)
+            shapes = None if world.distributed else step_shapes(micro, real_targets=bool(self.strategy.loss_chunk))
             try:
-                with peak.measure(step, shapes):
+                with peak.measure(step, shapes) as counted:
+                    self.window.resume(counted)  # a counted step's time apart (Window)
                     self.fault.maybe_raise(step, self.trainer)
                     stats = self.trainer.step(micro, step_tokens, real, real_parts=parts)
                 peak.record_history(False)  # after a back-off: the step was redone

@@ -24,7 +24,7 @@ import torch
 
 from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because, zipped
 from .errors import ConfigError
-from .loggers import run_dir_key
+from .loggers import WANDB_ID_FILE, run_dir_key
 
 log = logging.getLogger(__name__)
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -240,12 +240,18 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_
                     "the one that run would have trained", path, ", ".join(differ))
 
 
+# the files a run writes into its directory through a temporary file (fileio's atomic writes); the folders
+# checkpoints/ and tokenizer/ hold only the run's own
+RUN_FILES = ("summary.json", "test.hyp.txt", "config.yaml", "metrics.jsonl", WANDB_ID_FILE)
+
+
 def remove_partial_writes(run_dir: Path, ckpt_dir: Path) -> None:
-    """The temporary files and folders (fileio's atomic writes) whose writing was cut short by SIGKILL (the writer
-    removes its own otherwise), never read: a checkpoint's, as large as the model and its optimizer state; the
-    summary's, the test translations', the tokenizer's. The run directory is this run's (its lock is held)."""
-    for folder in (ckpt_dir, run_dir, run_dir / "tokenizer"):
-        partial = sorted(folder.glob(".*.tmp"))
+    """The temporary files and folders of the run's writes that SIGKILL cut short (the writer removes its own
+    otherwise), never read: a checkpoint's, as large as the model and its optimizer state; the summary's, the test
+    translations', the tokenizer's. Others' files in the run directory (paths.output_dir=. , say) are left."""
+    for folder, patterns in ((ckpt_dir, [".*.tmp"]), (run_dir, [f".{name}.*.tmp" for name in RUN_FILES]),
+                             (run_dir / "tokenizer", [".*.tmp"])):
+        partial = sorted(path for pattern in patterns for path in folder.glob(pattern))
         for path in partial:
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)

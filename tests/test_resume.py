@@ -175,7 +175,7 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     partial.write_bytes(b"\0" * 1000)
     run_dir = ckpts.parent  # and those of the summary and of the tokenizer's folder (atomic_dir), killed likewise
     partial_files = [run_dir / ".summary.json.a1b2.tmp", run_dir / "tokenizer" / ".hf.c3d4.tmp" / "tokenizer.json"]
-    for path in partial_files:
+    for path in [*partial_files, run_dir / ".another.tool.tmp"]:  # not the run's: left
         path.parent.mkdir(exist_ok=True)
         path.write_text("{")
     with caplog.at_level(logging.WARNING):
@@ -187,6 +187,7 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     assert summary["steps"] == 8
     assert not partial.exists() and "removed 1 checkpoint(s) left half-written" in caplog.text
     assert not any(path.exists() for path in partial_files) and not (run_dir / "tokenizer" / ".hf.c3d4.tmp").exists()
+    assert (run_dir / ".another.tool.tmp").exists()
     assert "removed 1 file(s) left half-written in " + str(run_dir) + " " in caplog.text
 
 
