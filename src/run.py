@@ -216,9 +216,10 @@ def train(cfg: DictConfig) -> dict:
         if logger is not None:
             logger.finish(summary)
         held.close()
-        # the run's tensors (some in reference cycles) and the pages malloc kept for them: a notebook's process
-        # would hold the run's peak until its next run (the next job of a sweep gave them back, at its start)
-        free_earlier_runs()
+        # the pages malloc kept for the run's freed tensors: a notebook's process would hold the run's peak until
+        # its next run (the next job of a sweep gives them back at its start). A collection here costs 0.2 s a run
+        # and returned nothing more (model=small, 20 steps: 338 MB resident after return either way, 550 without
+        # the trim, 235 before the run)
         return_host_memory()
     return summary
 
