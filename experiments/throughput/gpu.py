@@ -17,6 +17,7 @@
 6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
 7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
+They run in the order 1, 2 (bf16), 5, 2 (fp32), 3, 4, 6, 7: what a short device session must not lose first.
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
@@ -144,6 +145,8 @@ def main() -> None:
         write(results, out)
 
     train_run("bf16", ["memory=amp"], bf16_rate)
+    if "planner" not in args.skip:  # second: seconds long, and what the planner's GPU check needs
+        ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
@@ -157,8 +160,6 @@ def main() -> None:
     if "memory" not in args.skip:
         ran("memory", sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
             "--out", str(out / "memory_strategies")))
-    if "planner" not in args.skip:
-        ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
     if "determinism" not in args.skip:  # trainer.deterministic: does one seed give the same run twice?
         losses, exits = [], []
         for i in range(2):
