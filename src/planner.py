@@ -262,7 +262,8 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
                  world: World | None = None, foreach: bool = False) -> dict[str, int]:
     """What ``estimate_step`` predicts, measured: a real training step (the second, after Adam's state exists)
     on a random batch of ``shape`` with no padding. On the CPU the tracker's peak; on CUDA the allocator's
-    ``max_memory_allocated`` and ``max_memory_reserved`` during the step; on the CPU also ``at_start``, the bytes
+    ``max_memory_allocated`` and ``max_memory_reserved`` during the step, and the tracker's peak and split of the step
+    after it (``tracked``, ``tracked_by_category``: tensors only, no cuBLAS workspaces); on the CPU also ``at_start``, the bytes
     the step starts from (parameters and optimizer state). memory=fsdp: this rank's, inside the process group of
     ``world``. Adam as the run builds it, or with ``foreach``, its foreach implementation (which memory=fsdp's
     sharded parameters take on CUDA, and on the CPU only when asked): the CUDA estimate's step, checked on a CPU."""
@@ -293,7 +294,10 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
         torch.cuda.reset_peak_memory_stats(device)
         trainer.step(micro)
         torch.cuda.synchronize(device)
-        return {"peak": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
+        real = {"peak": torch.cuda.max_memory_allocated(device), "reserved": torch.cuda.max_memory_reserved(device)}
+        # the next step under the tracker: the same step's tensors by category, which the allocator cannot split
+        tracker = tracked_step(trainer, micro, device.type)
+        return real | {"tracked": tracker.peak, "tracked_by_category": dict(tracker.peak_by_category)}
     create_optimizer_state(optimizer)
     tracker = tracked_step(trainer, micro, device.type)
     return {"peak": tracker.peak, "at_start": tracker.at_start}
