@@ -117,10 +117,12 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
         print(f"  {cat:<12} {split[cat]:>10,.1f} MiB")
     print(f"  {'peak':<12} {est.peak_mb:>10,.1f} MiB   (first micro-batch: forward {est.forward_delta / 2**20:+,.1f} "
           f"MiB, backward {est.backward_delta / 2**20:+,.1f} MiB)")
+    if est.workspace:
+        print(f"  {'+ cuBLAS':<12} {est.workspace / 2**20:>10,.1f} MiB   (workspaces, allocated beside the tensors)")
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
     key = "memory.budget_gb" if strategy.auto else "plan.gpu_gb"
-    print(f"a GPU needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
+    print(f"a GPU needs {need:.2f} GB (peak + cuBLAS + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
           f"{verdict} a {gpu:g} GB card ({key})" if info["device"] == "cuda" else
           f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB ({key})")
     if "tried" in info:
@@ -185,9 +187,11 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         notes.append("worst-case batch: {} source / {} target positions per pair".format(*lengths.pop()))
     if len(cards) == 1:
         _, overhead, context = cards.pop()
-        notes.append(f"needs = peak x {1 + overhead:.2f} + {context} GB CUDA context")
+        notes.append(f"needs = (peak + cuBLAS workspaces) x {1 + overhead:.2f} + {context} GB CUDA context")
     else:
-        notes.append("needs = peak x (1 + plan.overhead) + plan.context_gb, each row's own")
+        notes.append("needs = (peak + cuBLAS workspaces) x (1 + plan.overhead) + plan.context_gb, each row's own")
+    if workspaces := {r[3].workspace for r in ranked if r[3].workspace}:
+        notes.append("cuBLAS workspaces " + " or ".join(f"{w / 2**20:g} MiB" for w in sorted(workspaces)))
     notes.append(f"planned {DEVICE_NOTE[devices.pop()]}" if len(devices) == 1 else "planned for each row's plan.device")
     print("\n" + "; ".join(notes))
 

@@ -54,13 +54,14 @@ def main() -> None:
             torch.cuda.empty_cache()  # collects their tensors first), so each case reserves its own
         real = measure_step(margs, strategy, shape, device)
         row = {"case": name, "shape": f"{shape.accum_steps} x {shape.pairs} pairs, {shape.src_len}/{shape.tgt_len}",
-               "estimate_mb": round(est.peak_mb, 1), "measured_mb": round(real["peak"] / MiB, 1),
-               "error_pct": round(100 * (est.peak_bytes - real["peak"]) / real["peak"], 2),
+               "estimate_mb": round(est.allocated_bytes / MiB, 1), "measured_mb": round(real["peak"] / MiB, 1),
+               "error_pct": round(100 * (est.allocated_bytes - real["peak"]) / real["peak"], 2),
                "planner_s": round(est.seconds, 2), "real_step_s": round(time.perf_counter() - t0, 2),
-               f"planned_for_{other}_mb": round(estimate_step(margs, strategy, shape, device=other).peak_mb, 1)}
+               f"planned_for_{other}_mb": round(estimate_step(margs, strategy, shape, device=other).allocated_bytes / MiB, 1)}
         if "reserved" in real:
             row["reserved_mb"] = round(real["reserved"] / MiB, 1)
             row["tracked_mb"] = round(real["tracked"] / MiB, 1)
+            row["workspace_mb"] = round(est.workspace / MiB, 1)
             row["estimate_split_mb"] = est.split_mb()
             row["tracked_split_mb"] = {k: round(v / MiB, 1) for k, v in real["tracked_by_category"].items()}
         rows.append(row)
@@ -107,13 +108,13 @@ def write(rows: list[dict], device: torch.device, out: Path, probe: dict | None 
              f"{torch.__version__}, {time.strftime('%Y-%m-%d')}. Beside: the plan for the other device "
              "(cuda: attention in fused kernels, no attention weights kept; cpu: as the CPU runs it).", "",
              "| case | batch (micro-batches x pairs, src/tgt positions) | estimate (MiB) | measured (MiB) | error | "
-             + ("CUDA reserved (MiB) | tracked tensors (MiB) | " if cuda else "")
+             + ("CUDA reserved (MiB) | tracked tensors (MiB) | planned cuBLAS workspaces (MiB) | " if cuda else "")
              + f"planned for {other} (MiB) | planner (s) |",
-             "|---|---|---|---|---|---|" + ("---|---|" if cuda else "") + "---|"]
+             "|---|---|---|---|---|---|" + ("---|---|---|" if cuda else "") + "---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['shape']} | {r['estimate_mb']:,.1f} | {r['measured_mb']:,.1f} | "
                      f"{r['error_pct']:+.2f}% | "
-                     + (f"{r['reserved_mb']:,.1f} | {r['tracked_mb']:,.1f} | " if cuda else "")
+                     + (f"{r['reserved_mb']:,.1f} | {r['tracked_mb']:,.1f} | {r.get('workspace_mb', 0):,.1f} | " if cuda else "")
                      + f"{r[f'planned_for_{other}_mb']:,.1f} | {r['planner_s']:.2f} |")
     if probe:
         lines += ["", "Kept by the allocator after a fresh process's first products, outputs freed (MiB, cumulative): "
