@@ -147,7 +147,8 @@ def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) 
         print(f"to fit: {e}")
         return
     print(f"to fit: memory=auto memory.budget_gb={gpu:g} would train with {strategy.label}, accum_steps "
-          f"{strategy.accum_steps} (micro-batches of up to {est.shape.pairs} pairs): {est.peak_mb:,.1f} MiB, the "
+          f"{strategy.accum_steps} (micro-batches of up to {est.shape.pairs} pairs): "
+          f"{est.allocated_bytes / 2**20:,.1f} MiB, the "
           "same effective batch")
 
 

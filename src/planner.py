@@ -447,7 +447,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
 
     def record(candidate: MemoryStrategy, est: Estimate) -> bool:
         tried.append({"strategy": candidate.label, "accum_steps": est.shape.accum_steps, "pairs": est.shape.pairs,
-                      "estimate_mb": round(est.peak_mb, 1)})
+                      "estimate_mb": round(est.allocated_bytes / MiB, 1)})  # what the budget is compared with
         return est.allocated_bytes <= budget_bytes
 
     def out_of_reach(extra: dict) -> bool:

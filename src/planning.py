@@ -33,7 +33,8 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
         "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
-        "estimate_mb": round(est.peak_mb, 1), "worst_case": dataclasses.asdict(est.shape), "tried": tried,
+        "estimate_mb": round(est.allocated_bytes / planner.MiB, 1), "worst_case": dataclasses.asdict(est.shape),
+        "tried": tried,
     }
 
 
