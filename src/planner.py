@@ -167,15 +167,16 @@ def cublas_workspaces(capability_major: int | None = None) -> int:
     """The bytes CUDA's allocator holds for cuBLAS through a training step, beside its tensors: a workspace for
     each thread that multiplies (the main thread, forward and optimizer; autograd's device thread, backward), of
     ``CUBLAS_WORKSPACE_CONFIG``'s size (``:SIZE_KiB:COUNT`` pairs; PyTorch's default is 32 MiB on compute
-    capability 9 and later, 8 MiB and 128 KiB before; with no GPU to ask, the larger), and cuBLASLt's on the main
-    thread (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB by default). On an H200 with torch 2.11 (experiments/planner),
+    capability 9 and later, 8 MiB and 128 KiB before; the larger where the process has no CUDA context to ask, since
+    asking would create one), and cuBLASLt's on the main thread (``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB by
+    default). On an H200 with torch 2.11 (experiments/planner),
     a fresh process kept 32 MiB after its first product, 33 after one with a bias, 65 after its first backward,
     and every checked step's ``max_memory_allocated`` was 64-69 MiB above its tensors' peak."""
     pairs = re.findall(r":(\d+):(\d+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         size = sum(int(kib) * int(count) for kib, count in pairs) * 1024
     else:
-        if capability_major is None and torch.cuda.is_available():
+        if capability_major is None and torch.cuda.is_initialized():  # asking would create a CUDA context
             capability_major = torch.cuda.get_device_capability()[0]
         size = 32 * MiB if capability_major is None or capability_major >= 9 else 8 * MiB + 128 * 1024
     lt = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")

@@ -66,8 +66,8 @@ def test_a_plan_for_cuda_counts_cublas_workspaces_and_memory_auto_keeps_room_for
     older = 2 * (8 * MiB + 128 * 1024) + MiB  # PyTorch's default before compute capability 9: :4096:2:16:8
     assert planner.cublas_workspaces(9) == planner.cublas_workspaces(12) == 65 * MiB
     assert planner.cublas_workspaces(8) == older
-    if not torch.cuda.is_available():
-        assert planner.cublas_workspaces() == 65 * MiB  # no GPU to ask: the larger default
+    if not torch.cuda.is_initialized():
+        assert planner.cublas_workspaces() == 65 * MiB  # no CUDA context to ask: the larger default
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
     assert planner.cublas_workspaces(9) == older
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # trainer.deterministic's setting
