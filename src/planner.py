@@ -294,16 +294,12 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 
 
-def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
-                 label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0,
-                 world: World | None = None, foreach: bool = False) -> dict[str, int]:
-    """What ``estimate_step`` predicts, measured: a real training step (the second, after Adam's state exists)
-    on a random batch of ``shape`` with no padding. On the CPU the tracker's peak; on CUDA the allocator's
-    ``max_memory_allocated`` and ``max_memory_reserved`` during the step, and the tracker's peak and split of the step
-    after it (``tracked``, ``tracked_by_category``: tensors only, no cuBLAS workspaces); on the CPU also ``at_start``, the bytes
-    the step starts from (parameters and optimizer state). memory=fsdp: this rank's, inside the process group of
-    ``world``. Adam as the run builds it, or with ``foreach``, its foreach implementation (which memory=fsdp's
-    sharded parameters take on CUDA, and on the CPU only when asked): the CUDA estimate's step, checked on a CPU."""
+def real_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
+              label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0, world: World | None = None,
+              foreach: bool = False) -> tuple[Trainer, list[Batch]]:
+    """The trainer and micro-batches of the step that ``estimate_step`` plans, for real: the model of ``args`` on
+    ``device`` (seed 0), the strategy's loss and sharding, Adam as the run builds it (or its foreach implementation,
+    ``foreach``), and ``shape.accum_steps`` random micro-batches of ``shape`` with no padding."""
     free_earlier_runs()  # the steps measured before this one, in this process (their cached CUDA blocks: the caller's)
     torch.manual_seed(0)
     model = Transformer(args).to(device)
@@ -321,7 +317,20 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
         src, tgt_in, tgt_out = (torch.randint(4, args.tgt_vocab, size) for size in ((b, s), (b, t), (b, t)))
         return Batch(src, tgt_in, tgt_out, b * s, b * t)
 
-    micro = [batch() for _ in range(shape.accum_steps)]
+    return trainer, [batch() for _ in range(shape.accum_steps)]
+
+
+def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
+                 label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0,
+                 world: World | None = None, foreach: bool = False) -> dict[str, int]:
+    """What ``estimate_step`` predicts, measured: a real training step (``real_step``; the second, after Adam's
+    state exists). On the CPU the tracker's peak, and ``at_start``, the bytes the step starts from (parameters and
+    optimizer state); on CUDA the allocator's ``max_memory_allocated`` and ``max_memory_reserved`` during the step,
+    and the tracker's peak and split of the step after it (``tracked``, ``tracked_by_category``: tensors only, no
+    cuBLAS workspaces). memory=fsdp: this rank's, inside the process group of ``world``. With ``foreach``, Adam's
+    foreach implementation (which memory=fsdp's sharded parameters take on CUDA, and on the CPU only when asked):
+    the CUDA estimate's step, checked on a CPU."""
+    trainer, micro = real_step(args, strategy, shape, device, label_smoothing, clip_grad_norm, world, foreach)
     # Adam's state, as every step after the first has it. On CUDA a first step of the measured batch creates it and
     # warms the caching allocator; the CPU's tracker counts tensors, not a cache, so there it is created without a
     # forward and backward pass (a model=base bf16 step takes a minute on a CPU without bf16 kernels).
@@ -335,7 +344,7 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
         # the next step under the tracker: the same step's tensors by category, which the allocator cannot split
         tracker = tracked_step(trainer, micro, device.type)
         return real | {"tracked": tracker.peak, "tracked_by_category": dict(tracker.peak_by_category)}
-    create_optimizer_state(optimizer)
+    create_optimizer_state(trainer.optimizer)
     tracker = tracked_step(trainer, micro, device.type)
     return {"peak": tracker.peak, "at_start": tracker.at_start}
 
