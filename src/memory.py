@@ -347,11 +347,12 @@ class TensorMemoryTracker(TorchDispatchMode):
                 self.peak, self.peak_by_category = live, split
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._settle()
+        if self._pending is not None:
+            self._settle()
         out = func(*args, **(kwargs or {}))
         if not _aliases(func):
             if isinstance(out, torch.Tensor):  # most operators: no tree to walk
-                self._track(out, self.category, _accumulated(func, args, kwargs, out))
+                self._track(out, self.category, _accumulated(args, kwargs, out) if func is _ADD else ())
             else:
                 self.track(out)
         elif self.ddp and func.namespace == "c10d" and self.category == "backward":
@@ -364,19 +365,22 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.live_by_category)
 
 
-def _accumulated(func, args, kwargs, out: torch.Tensor) -> tuple[int, ...]:
-    """Where autograd's engine adds two gradients of one tensor (its ``InputBuffer``: an ``add`` in backward, outside
-    grad mode) and could have added the second into the first in place, the first's storage; else nothing. The
-    engine adds in place where it holds the last reference to the first gradient and to its storage, a tensor that
-    is the whole of its storage, of the sum's shape and dtype; under a Python dispatch mode (this tracker, the
-    planner's fake tensors) it never does, since the mode's Python objects hold one more reference to the tensor.
-    The storage's references still tell (``_ONE_HOLDER``); the tensor's cannot, so ``_settle`` asks, too, that the
-    first gradient be freed before the next operator, as it is where the engine held the last reference.
-    Without this, a step whose peak is such a sum (model=base, XLM-R's tied vocabulary, amp, the chunked loss) was
-    counted 488 MiB, one fp32 gradient of the embedding, above what it allocates: torch.profiler's memory timeline
-    on the CPU, CUDA's allocator on an H200."""
-    if (func is not torch.ops.aten.add.Tensor or kwargs or torch.is_grad_enabled()
-            or torch._C._current_graph_task_id() == -1 or not isinstance(args[0], torch.Tensor)):
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _accumulated(args, kwargs, out: torch.Tensor) -> tuple[int, ...]:
+    """Of an ``add``: where autograd's engine adds two gradients of one tensor (its ``InputBuffer``: an ``add`` in
+    backward, outside grad mode) and could have added the second into the first in place, the first's storage; else
+    nothing. The engine adds in place where it holds the last reference to the first gradient and to its storage,
+    a tensor that is the whole of its storage, of the sum's shape and dtype; under a Python dispatch mode (this
+    tracker, the planner's fake tensors) it never does, since the mode's Python objects hold one more reference to
+    the tensor. The storage's references still tell (``_one_holder``); the tensor's cannot, so ``_settle`` asks,
+    too, that the first gradient be freed before the next operator, as it is where the engine held the last
+    reference. Without this, a step whose peak is such a sum (model=base, XLM-R's tied vocabulary, amp, the chunked
+    loss) was counted 488 MiB, one fp32 gradient of the embedding, above what it allocates: torch.profiler's memory
+    timeline on the CPU, CUDA's allocator on an H200."""
+    if (kwargs or torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1
+            or not isinstance(args[0], torch.Tensor)):
         return ()
     first = _local(args[0])
     storage = first.untyped_storage()
