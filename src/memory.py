@@ -260,7 +260,7 @@ class TensorMemoryTracker(TorchDispatchMode):
             entry[0] = nbytes
 
     def _free(self, key: int, _ref=None) -> None:
-        nbytes, category, _ = self._seen.pop(key)
+        nbytes, category = self._seen.pop(key)[:2]
         self.live -= nbytes
         self.live_by_category[category] -= nbytes
 
@@ -279,7 +279,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         # uncounted when the storage is freed: its Python object lives as long as it does. A weak reference (kept in
         # the entry) rather than weakref.finalize, which costs more and keeps a finished tracker alive.
-        self._seen[key] = [nbytes, category, weakref.ref(storage, functools.partial(self._free, key))]
+        self._seen[key] = [nbytes, category, weakref.ref(storage, functools.partial(self._free, key)), _autograd_node()]
         self._grow(nbytes, category, tuple(k for k in into if k in self._seen))
 
     def _grow(self, nbytes: int, category: str, into: tuple[int, ...] = ()) -> None:
@@ -352,7 +352,10 @@ class TensorMemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not _aliases(func):
             if isinstance(out, torch.Tensor):  # most operators: no tree to walk
-                self._track(out, self.category, _accumulated(args, kwargs, out) if func is _ADD else ())
+                into = _accumulated(args, kwargs, out) if func is _ADD else ()
+                if into and self._seen.get(into[0], (None,) * 4)[3] == _autograd_node():
+                    into = ()  # made by the node now running: its formula's own sum, out of place without a mode too
+                self._track(out, self.category, into)
             else:
                 self.track(out)
         elif self.ddp and func.namespace == "c10d" and self.category == "backward":
@@ -376,11 +379,13 @@ def _accumulated(args, kwargs, out: torch.Tensor) -> tuple[int, ...]:
     tracker, the planner's fake tensors) it never does, since the mode's Python objects hold one more reference to
     the tensor. The storage's references still tell (``_one_holder``); the tensor's cannot, so ``_settle`` asks,
     too, that the first gradient be freed before the next operator, as it is where the engine held the last
-    reference. Without this, a step whose peak is such a sum (model=base, XLM-R's tied vocabulary, amp, the chunked
+    reference. Not where both operands are one tensor (the engine then holds it twice), either is a subclass, or
+    the first was made by the node now running (an ``add`` in a backward formula, made out of place without a mode
+    too: ``var_mean``'s, a custom Function's). Without this, a step whose peak is such a sum (model=base, XLM-R's tied vocabulary, amp, the chunked
     loss) was counted 488 MiB, one fp32 gradient of the embedding, above what it allocates: torch.profiler's memory
     timeline on the CPU, CUDA's allocator on an H200."""
-    if (kwargs or torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1
-            or not isinstance(args[0], torch.Tensor)):
+    if (kwargs or torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1 or args[0] is args[1]
+            or not (_plain(args[0]) and _plain(args[1]))):
         return ()
     first = _local(args[0])
     storage = first.untyped_storage()
@@ -389,6 +394,23 @@ def _accumulated(args, kwargs, out: torch.Tensor) -> tuple[int, ...]:
             and torch._C._storage_Use_Count(storage._cdata) == _one_holder()):
         return (storage._cdata,)
     return ()
+
+
+def _plain(t) -> bool:
+    """A tensor autograd may add into in place: no subclass (a DTensor, say), but for the planner's fake tensors,
+    which stand for plain ones."""
+    if type(t) is torch.Tensor:
+        return True
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(t, fake.FakeTensor)
+
+
+def _autograd_node() -> tuple | None:
+    """The autograd node whose backward is running (its name and sequence number); None outside backward."""
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    node = torch._C._current_autograd_node()
+    return None if node is None else (node.name(), node._sequence_nr())
 
 
 @functools.cache
