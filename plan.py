@@ -127,7 +127,8 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB ({key})")
     if "tried" in info:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
-                                                 for t in info["tried"]))
+                                                 for t in info["tried"])
+              + (" (each with cuBLAS's workspaces)" if est.workspace else ""))
     print(f"estimated in {est.seconds:.1f} s on fake tensors, {DEVICE_NOTE[info['device']]}; expected cost: "
           f"{cost_note(strategy)}")
 
@@ -148,8 +149,8 @@ def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) 
         return
     print(f"to fit: memory=auto memory.budget_gb={gpu:g} would train with {strategy.label}, accum_steps "
           f"{strategy.accum_steps} (micro-batches of up to {est.shape.pairs} pairs): "
-          f"{est.allocated_bytes / 2**20:,.1f} MiB, the "
-          "same effective batch")
+          f"{est.allocated_bytes / 2**20:,.1f} MiB" + (" with cuBLAS's workspaces" if est.workspace else "")
+          + ", the same effective batch")
 
 
 def print_table(rows, sweep: list[list[str]]) -> None:

@@ -510,7 +510,8 @@ def _nothing_fits(base: MemoryStrategy, smallest: tuple[MemoryStrategy, Estimate
     return ConfigError(
         f"memory.budget_gb={base.budget_gb}: no setting fits; the smallest, "
         f"{dataclasses.replace(lowest, accum_steps=floor.shape.accum_steps).label} with micro-batches of one "
-        f"pair, needs an estimated {floor.allocated_bytes / MiB:,.0f} MiB before overheads"
+        f"pair, needs an estimated {floor.allocated_bytes / MiB:,.0f} MiB"
+        + (f" with cuBLAS's workspaces ({floor.workspace / MiB:g} MiB)" if floor.workspace else "") + " before overheads"
         + (f" on each of {world_size} ranks" + ("" if base.fsdp else " (DDP's gradient buckets counted as gradients)")
            if world_size > 1 else "")
         + (f", most of it {', '.join(largest)} MiB" if largest else "")

@@ -175,7 +175,8 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
     assert "does NOT fit a 12 GB card" in out and "logits" in out
     # and what memory=auto would do about it: more accumulation, whose estimate fits with the margins
     fix = re.search(r"to fit: memory=auto memory.budget_gb=12 would train with auto\(accum\), accum_steps 2 "
-                    r"\(micro-batches of up to 8 pairs\): ([\d,.]+) MiB, the same effective batch", out)
+                    r"\(micro-batches of up to 8 pairs\): ([\d,.]+) MiB with cuBLAS's workspaces, the same effective "
+                    r"batch", out)
     assert fix, out
     assert float(fix.group(1).replace(",", "")) * 1.10 / 1024 + 0.5 <= 12
     # a card no larger than the CUDA context: said so, in plan.py's own key (it named memory.budget_gb)
