@@ -336,10 +336,10 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._hooks.clear()
 
     def _settle(self) -> None:
-        """Count an accumulation's moment (``_accumulated``) in the peak, unless one of the two gradients it added
-        was freed before the next operator: autograd's engine, holding the last reference to it, adds into it in
-        place when no Python dispatch mode holds one more, as this tracker's and the planner's fake tensors do, so the
-        sum never coexists with both. Where both live on, the sum was made beside them without a mode too."""
+        """Count an accumulation's moment (``_accumulated``) in the peak, unless the first gradient it added was
+        freed before the next operator: autograd's engine, holding the last reference to it, adds into it in place
+        when no Python dispatch mode holds one more, as this tracker's and the planner's fake tensors do, so the sum
+        never coexists with both. Where the first lives on, the sum was made beside it without a mode too."""
         if self._pending is not None:
             live, split, inputs = self._pending
             self._pending = None
@@ -381,9 +381,9 @@ def _accumulated(args, kwargs, out: torch.Tensor) -> tuple[int, ...]:
     too, that the first gradient be freed before the next operator, as it is where the engine held the last
     reference. Not where both operands are one tensor (the engine then holds it twice), either is a subclass, or
     the first was made by the node now running (an ``add`` in a backward formula, made out of place without a mode
-    too: ``var_mean``'s, a custom Function's). Without this, a step whose peak is such a sum (model=base, XLM-R's tied vocabulary, amp, the chunked
-    loss) was counted 488 MiB, one fp32 gradient of the embedding, above what it allocates: torch.profiler's memory
-    timeline on the CPU, CUDA's allocator on an H200."""
+    too: ``var_mean``'s, a custom Function's). Without this, a step whose peak is such a sum (model=base, XLM-R's
+    tied vocabulary, amp, the chunked loss) was counted 488 MiB, one fp32 gradient of the embedding, above what it
+    allocates: torch.profiler's memory timeline on the CPU, CUDA's allocator on an H200."""
     if (kwargs or torch.is_grad_enabled() or torch._C._current_graph_task_id() == -1 or args[0] is args[1]
             or not (_plain(args[0]) and _plain(args[1]))):
         return ()
