@@ -35,11 +35,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .data.batching import Batch
 from .distributed import World, fully_shard_net
 from .errors import ConfigError
+from .kernels import attention_kernels, planned_attention
 from .memory import CATEGORIES, MemoryStrategy, create_optimizer_state, free_earlier_runs, tracked_step
 from .model import ModelArgs, Transformer
 from .trainer import LossModule, Trainer, inverse_sqrt_schedule
@@ -188,10 +190,12 @@ def check_device(device: str) -> None:
 
 
 def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, label_smoothing: float = 0.1,
-                  clip_grad_norm: float | None = 1.0, world_size: int = 1, device: str = "cpu") -> Estimate:
+                  clip_grad_norm: float | None = 1.0, world_size: int = 1, device: str = "cpu",
+                  attention=None) -> Estimate:
     """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors, as it
-    runs on ``device`` (``cuda``: attention in a fused kernel); with ``world_size`` ranks, one rank's: memory=fsdp's
-    share (``shard_estimate``), or under DDP with its gradient buckets (``with_ddp_buckets``)."""
+    runs on ``device`` (``cuda``: attention in a fused kernel, unless ``attention``, the run's trainer.attention,
+    prefers math); with ``world_size`` ranks, one rank's: memory=fsdp's share (``shard_estimate``), or under DDP
+    with its gradient buckets (``with_ddp_buckets``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_device(device)
@@ -199,11 +203,12 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     # fp16 and bf16 store the same bytes; the GradScaler's own state is a few scalars (and reads them back to the
     # host, which fake tensors cannot), so the plan runs fp16 as bf16.
     planned = dataclasses.replace(strategy, amp="bf16") if strategy.amp == "fp16" else strategy
-    if device == "cuda":
+    kernels = planned_attention(attention, device)
+    if device == "cuda" and kernels != [SDPBackend.MATH]:
         # CUDA's fused attention kernels draw the attention dropout again from their seed in backward and keep
         # what the CPU's fused kernel, which runs without it, keeps: no attention weights
         args = dataclasses.replace(args, attention_dropout=0.0)
-    with FakeTensorMode(), _EveryPositionIsReal():
+    with FakeTensorMode(), _EveryPositionIsReal(), attention_kernels(kernels):
         model = Transformer(args)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
@@ -233,9 +238,10 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
 
 
 def estimate_worst(args: ModelArgs, strategy: MemoryStrategy, shapes: list[StepShape], label_smoothing: float = 0.1,
-                   clip_grad_norm: float | None = 1.0, world_size: int = 1, device: str = "cpu") -> Estimate:
+                   clip_grad_norm: float | None = 1.0, world_size: int = 1, device: str = "cpu",
+                   attention=None) -> Estimate:
     """The largest of the steps of ``shapes`` (``worst_case_shapes``); its ``seconds`` are all of theirs."""
-    estimates = [estimate_step(args, strategy, shape, label_smoothing, clip_grad_norm, world_size, device)
+    estimates = [estimate_step(args, strategy, shape, label_smoothing, clip_grad_norm, world_size, device, attention)
                  for shape in shapes]
     worst = max(estimates, key=lambda e: e.peak_bytes)
     return dataclasses.replace(worst, seconds=sum(e.seconds for e in estimates))
@@ -415,7 +421,7 @@ def longest_pair(split) -> tuple[int, int]:
 def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int, longest_tgt: int, batch_size: int,
                     budget_bytes: float, amp: str = "bf16", label_smoothing: float = 0.1,
                     clip_grad_norm: float | None = 1.0, device: str = "cpu", world_size: int = 1,
-                    configured: Estimate | None = None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
+                    configured: Estimate | None = None, attention=None) -> tuple[MemoryStrategy, Estimate, list[dict]]:
     """The least costly strategy whose worst-case step on ``device`` needs at most ``budget_bytes``: more
     accumulation first (the effective batch stays the same), then amp with accumulation, then checkpointing with
     accumulation, then amp, checkpointing and accumulation (checkpointing alone comes before both: with small
@@ -448,7 +454,7 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
         key = (candidate.label, shapes(accum))
         if key not in estimates:
             estimates[key] = estimate_worst(args, candidate, list(key[1]), label_smoothing, clip_grad_norm,
-                                            world_size, device)
+                                            world_size, device, attention)
         return candidate, estimates[key]
 
     one_pair = 10**9  # accumulation steps enough for micro-batches of one pair (worst_case_shapes caps them)

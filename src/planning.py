@@ -28,7 +28,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     chosen, est, tried = planner.choose_strategy(
         args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
         conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
-        device=device.type, world_size=world_size,
+        device=device.type, world_size=world_size, attention=conf["trainer"].get("attention"),
     )
     return chosen, {
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
@@ -92,9 +92,11 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         budget = usable_budget(conf, strategy, device)
         strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                conf["data"]["batch_size"], budget, "bf16", ls, clip,
-                                                               device, world_size, configured)
+                                                               device, world_size, configured,
+                                                               conf["trainer"].get("attention"))
         return strategy, est, info
     shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
                                        strategy.accum_steps)
-    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device), info
+    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device,
+                                            conf["trainer"].get("attention")), info
 

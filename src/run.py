@@ -47,6 +47,7 @@ from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
+from .kernels import attention_backends, attention_names, check_attention
 from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
 from .memory import (
     MemoryStrategy,
@@ -155,7 +156,8 @@ def train(cfg: DictConfig) -> dict:
             summary["environment"] = environment(device)
         if strategy.fsdp and not world.distributed:
             raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
-        with process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]):
+        with (process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]),
+              attention_backends(conf["trainer"].get("attention"))):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             if world.main:
                 hold_run_dir(run_dir, held)
@@ -379,6 +381,7 @@ class TrainingRun:
         info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
         info["reuse_host_memory"] = reuse_host_memory
         info["deterministic"] = tr["deterministic"]
+        info["attention"] = attention_names(tr.get("attention"))  # the kernels allowed; None: PyTorch chose
         self.src_codec, self.tgt_codec = self.encoded.src_codec, self.encoded.tgt_codec
         if strategy.auto:
             strategy, info["auto"] = choose_for_budget(self.conf, strategy, self.encoded, self.train_split, device,
@@ -392,6 +395,7 @@ class TrainingRun:
         conf, optim, strategy, world = self.conf, self.optim, self.strategy, self.world
         seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
         self.model = build_model(conf["model"], self.encoded).to(self.device)
+        check_attention(self.model, self.device, strategy.amp_dtype or torch.float32, self.tr.get("attention"))
         net = LossModule(self.model, self.tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
         if strategy.fsdp:
             fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters

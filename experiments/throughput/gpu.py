@@ -8,16 +8,17 @@
    warm-up steps, peak CUDA memory (allocated and reserved), model FLOPs per step (as the run logs them:
    ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's
    datasheet peak where it is known;
-   the same at fp32 (TF32 off, PyTorch's default) for comparison;
+   the same with other attention kernels than PyTorch's choice (trainer.attention, ATTENTION_CHOICES), and at fp32
+   (TF32 off, PyTorch's default) for comparison;
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
-   operators by CUDA time;
+   operators by CUDA time; the same with the first of --attention: profile_bf16_flash_efficient_ops.txt;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
    case included;
 6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
 7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
-They run in the order 1, 2 (bf16), 5, 2 (fp32), 3, 4, 6, 7: what a short device session must not lose first.
+They run in the order 1, 2 (bf16), 5, 2 (attention kernels), 2 (fp32), 3, 4, 6, 7: what a short device session must not lose first.
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
@@ -55,6 +56,10 @@ def datasheet_peak(name: str) -> float | None:
     return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
 
 
+# trainer.attention's kernels timed besides PyTorch's choice (cuDNN's on an H200, torch 2.11): flash where it can
+# (the decoder's causal self-attention) and memory-efficient attention where a padding mask is needed; efficient
+# alone; flash and cuDNN. The first is profiled too.
+ATTENTION_CHOICES = ("[flash,efficient]", "[efficient]", "[flash,cudnn]")
 EVAL_PAIRS = 64  # validation and test pairs each run decodes (trainer.limit_eval): they are not timed
 TAIL = 40  # lines of a failed part's output kept in results_gpu.json: the device returns only files under $OUT
 
@@ -73,6 +78,11 @@ def sub(script: str, *args: str) -> tuple[int, str]:
     return proc.returncode, "\n".join(tail)
 
 
+def words(choice: str) -> str:
+    """A trainer.attention setting in a file name: [flash,efficient] -> flash_efficient."""
+    return "_".join(choice.strip("[]").split(","))
+
+
 def last_error(output: str) -> str:
     """The line that says what went wrong: the last one, but not Hydra's hint after a train.py error."""
     lines = [line for line in output.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
@@ -86,8 +96,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each model=base run")
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["fp32", "profile", "memory", "planner", "determinism",
-                                                                     "compile"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["attention", "fp32", "profile", "memory", "planner",
+                                                                     "determinism", "compile"])
+    parser.add_argument("--attention", nargs="+", default=list(ATTENTION_CHOICES),
+                        help="trainer.attention settings timed besides PyTorch's choice; the first is profiled too")
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -147,16 +159,21 @@ def main() -> None:
     train_run("bf16", ["memory=amp"], bf16_rate)
     if "planner" not in args.skip:  # second: seconds long, and what the planner's GPU check needs
         ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
+    if "attention" not in args.skip:  # the bf16 run with other attention kernels than PyTorch's choice
+        for choice in args.attention:
+            train_run(f"bf16_attention_{words(choice)}", ["memory=amp", f"trainer.attention={choice}"], bf16_rate)
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
-        run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / "profile_bf16"
-        ran("profile", sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
-            *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
-            "memory=amp", "debug=profile", f"trainer.limit_eval={EVAL_PAIRS}"))
-        ops = run_dir / "profile" / "ops.txt"
-        if ops.is_file():
-            write_text(out / "profile_bf16_ops.txt", ops.read_text())
+        for choice, label in ((None, "profile_bf16"), (args.attention[0], "profile_bf16_" + words(args.attention[0]))):
+            run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
+            ran(label, sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
+                *args.model, f"trainer.device={device.type}", f"data.max_tokens={args.max_tokens}", "logger=none",
+                "memory=amp", "debug=profile", f"trainer.limit_eval={EVAL_PAIRS}",
+                *([f"trainer.attention={choice}"] if choice else [])))
+            ops = run_dir / "profile" / "ops.txt"
+            if ops.is_file():
+                write_text(out / f"{label}_ops.txt", ops.read_text())
     if "memory" not in args.skip:
         ran("memory", sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
             "--out", str(out / "memory_strategies")))

@@ -1,0 +1,122 @@
+"""trainer.attention (src/kernels.py): the kernels attention runs, checked at the start, and planned."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from src.errors import ConfigError
+from src.kernels import attention_backends, attention_names, check_attention
+from src.memory import MemoryStrategy
+from src.model import ModelArgs, Transformer
+from src.planner import TINY, StepShape, estimate_step, measure_step
+
+KERNEL_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "flash", "_scaled_dot_product_flash_attention": "flash",
+              "_scaled_dot_product_efficient_attention": "efficient", "_scaled_dot_product_cudnn_attention": "cudnn"}
+
+
+class KernelsSeen(TorchDispatchMode):
+    """The fused attention kernels that ran (by ATen operator); math shows as none of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.removeprefix("aten::")
+        if name in KERNEL_OPS:
+            self.seen.append(KERNEL_OPS[name])
+        return func(*args, **(kwargs or {}))
+
+
+def model(attention_dropout: float, device: str = "cpu") -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(src_vocab=40, tgt_vocab=40, pad_id=1, attention_dropout=attention_dropout,
+                                 **TINY)).to(device)
+
+
+def step_grads(net: Transformer, value, device: str = "cpu") -> tuple[list[str], list[torch.Tensor]]:
+    """One forward and backward pass of a padded batch under trainer.attention=``value``: the kernels seen and the
+    gradients."""
+    g = torch.Generator().manual_seed(1)
+    src, tgt = (torch.randint(4, 40, (3, n), generator=g).to(device) for n in (7, 6))
+    src[0, 4:] = 1  # padding: the masked calls need a mask
+    net.zero_grad()
+    torch.manual_seed(2)  # the same dropout masks (outside attention) in each call
+    with attention_backends(value), KernelsSeen() as mode:
+        net(src, tgt).float().square().mean().backward()
+    return mode.seen, [p.grad.clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("value, why", [("bogus", "unknown bogus"), ([], "empty"), (["math", "math"], "named twice"),
+                                        (["flash", 3], "unknown 3")])
+def test_a_setting_that_names_no_kernel_list_is_refused_by_key(value, why):
+    with pytest.raises(ConfigError, match=rf"^trainer\.attention=.*{why}.*flash, efficient, cudnn, math"):
+        attention_names(value)
+
+
+def test_one_name_is_a_list_of_one_and_null_is_pytorchs_choice():
+    assert attention_names("math") == ["math"] and attention_names(["flash", "math"]) == ["flash", "math"]
+    assert attention_names(None) is None
+
+
+def test_the_chosen_kernels_run_and_compute_what_the_others_do():
+    """Without attention dropout the CPU has two kernels: PyTorch's choice is flash, [math] runs no fused kernel,
+    and both give the same gradients; the setting is the run's only (restored after it)."""
+    net = model(attention_dropout=0.0)
+    chosen, reference = step_grads(net, None)
+    math, grads = step_grads(net, ["math"])
+    assert chosen and set(chosen) == {"flash"} and math == []
+    for a, b in zip(reference, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert step_grads(net, None)[0] == chosen  # restored
+
+
+def test_kernels_that_cannot_run_the_models_attention_are_refused_at_the_start():
+    """The CPU's flash kernel runs no dropout: with attention dropout, [flash] alone fails the check (named), and
+    [flash,math] passes it (math attends where flash cannot)."""
+    with_dropout = model(attention_dropout=0.1)
+    for value in (["flash"], ["efficient", "cudnn"]):
+        with attention_backends(value), pytest.raises(ConfigError, match=r"^trainer\.attention=\[.*masked .* on cpu in "
+                                                                         r"float32 with attention dropout 0\.1"):
+            check_attention(with_dropout, torch.device("cpu"), torch.float32, value)
+    with attention_backends(["flash", "math"]):
+        check_attention(with_dropout, torch.device("cpu"), torch.float32, ["flash", "math"])
+    without = model(attention_dropout=0.0)
+    with attention_backends(["flash"]):
+        check_attention(without, torch.device("cpu"), torch.bfloat16, ["flash"])
+
+
+def test_the_planner_plans_what_the_chosen_kernel_keeps():
+    """Math keeps the attention weights for backward, the fused kernels do not. Planned for the CPU with [math] and
+    without dropout, the estimate is the real step under [math], and larger than with PyTorch's choice (flash) by
+    the weights; planned for CUDA, [math] keeps them where the default (a fused kernel) does not."""
+    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=1, attention_dropout=0.0, **TINY)
+    shape = StepShape(2, 60, 60)
+    for value in (None, ["math"]):
+        with attention_backends(value):
+            real = measure_step(args, MemoryStrategy(), shape, torch.device("cpu"))["peak"]
+        assert estimate_step(args, MemoryStrategy(), shape, attention=value).peak_bytes == real, value
+    flash, math = (estimate_step(args, MemoryStrategy(), shape, attention=v).peak_bytes for v in (None, ["math"]))
+    # the weights of the last layer's calls at least: 4 heads x 60 x 60 fp32 for each of the 2 pairs
+    assert math - flash >= 2 * 4 * 60 * 60 * 4
+    cuda_fused, cuda_math = (estimate_step(args, MemoryStrategy(), shape, device="cuda", attention=v).peak_bytes
+                             for v in (["efficient"], ["math", "efficient"]))
+    assert cuda_fused == flash and cuda_math == math
+    with pytest.raises(ConfigError, match=r"^trainer\.attention=\[efficient\]: the CPU has none"):
+        estimate_step(args, MemoryStrategy(), shape, attention=["efficient"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runs_flash_where_it_can_and_efficient_where_a_mask_is_needed():
+    """[flash,efficient] in bf16: the decoder's causal self-attention in flash attention, the masked calls in
+    memory-efficient attention; their gradients are those of math's."""
+    net = model(attention_dropout=0.0, device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        seen, grads = step_grads(net, ["flash", "efficient"], "cuda")
+        math, reference = step_grads(net, ["math"], "cuda")
+    layers = TINY["encoder_layers"] + 2 * TINY["decoder_layers"]
+    assert sorted(seen) == sorted(["flash"] * TINY["decoder_layers"] + ["efficient"] * (layers - TINY["decoder_layers"]))
+    assert math == []
+    for a, b in zip(grads, reference):  # bf16: each gradient within a few percent of math's, as a whole
+        assert (a - b).float().norm() <= 0.05 * b.float().norm() + 1e-6
