@@ -18,7 +18,8 @@
 6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
 7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
-They run in the order 1, 2 (bf16), 5, 2 (attention kernels), 2 (fp32), 3, 4, 6, 7: what a short device session must not lose first.
+They run in the order 1, 2 (bf16, then the attention kernels; --repeat N: N rounds of these, each starting one
+later), 5, 2 (fp32), 3, 4, 6, 7: what a short device session must not lose first.
 
 Writes results_gpu.md and results_gpu.json into --out (default: next to this file); parts 4 and 5 write their
 own files into --out/memory_strategies and --out/planner. Needs torch, hydra-core and omegaconf, and the
@@ -100,6 +101,7 @@ def main() -> None:
                                                                      "determinism", "compile"])
     parser.add_argument("--attention", nargs="+", default=list(ATTENTION_CHOICES),
                         help="trainer.attention settings timed besides PyTorch's choice; the first is profiled too")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the bf16 runs (PyTorch's choice and --attention)")
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -156,12 +158,15 @@ def main() -> None:
         print(label, r, flush=True)
         write(results, out)
 
-    train_run("bf16", ["memory=amp"], bf16_rate)
-    if "planner" not in args.skip:  # second: seconds long, and what the planner's GPU check needs
-        ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
-    if "attention" not in args.skip:  # the bf16 run with other attention kernels than PyTorch's choice
-        for choice in args.attention:
-            train_run(f"bf16_attention_{words(choice)}", ["memory=amp", f"trainer.attention={choice}"], bf16_rate)
+    # The bf16 run with PyTorch's choice of attention kernels, then with each of --attention; --repeat times in turn,
+    # each round starting one later (the lent machine's host, which a bf16 step waits for, drifts in speed)
+    choices = [None] + ([] if "attention" in args.skip else args.attention)
+    for r in range(args.repeat):
+        for choice in choices[r % len(choices):] + choices[:r % len(choices)]:
+            label = "bf16" + (f"_attention_{words(choice)}" if choice else "") + (f"_{r + 1}" if args.repeat > 1 else "")
+            train_run(label, ["memory=amp", *([f"trainer.attention={choice}"] if choice else [])], bf16_rate)
+        if r == 0 and "planner" not in args.skip:  # early: seconds long, and what the planner's GPU check needs
+            ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
