@@ -151,7 +151,7 @@ class Residual(nn.Module):
         return self.norm(x + self.dropout(sublayer(x)))
 
 
-def _inner_dropouts(a: ModelArgs) -> tuple[float, float]:
+def inner_dropouts(a: ModelArgs) -> tuple[float, float]:
     return (a.dropout if a.attention_dropout is None else a.attention_dropout,
             a.dropout if a.activation_dropout is None else a.activation_dropout)
 
@@ -159,7 +159,7 @@ def _inner_dropouts(a: ModelArgs) -> tuple[float, float]:
 class EncoderLayer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        attn_p, act_p = _inner_dropouts(a)
+        attn_p, act_p = inner_dropouts(a)
         self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
         self.ff = FeedForward(a.d_model, a.d_ff, act_p)
         self.res_attn = Residual(a.d_model, a.dropout, a.norm_first)
@@ -173,7 +173,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        attn_p, act_p = _inner_dropouts(a)
+        attn_p, act_p = inner_dropouts(a)
         self.self_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
         self.cross_attn = MultiHeadAttention(a.d_model, a.n_heads, attn_p)
         self.ff = FeedForward(a.d_model, a.d_ff, act_p)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from .building import build_model, build_optimizer, seed_everything
+from .building import build_model, build_optimizer, model_args, seed_everything
 from .checkpoint import averaged_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, micro_batches, pair_sizes, split_batch
 from .data.encode import seq_lengths
@@ -366,6 +366,7 @@ class TrainingRun:
         chooses ``self.strategy`` from it."""
         tr, device, world = self.tr, self.device, self.world
         strategy.check_device(device)
+        self._check_attention(strategy)  # before the data is read, as the next
         check_scoring(self.data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
         if tr.get("threads"):
             torch.set_num_threads(tr["threads"])
@@ -388,14 +389,20 @@ class TrainingRun:
                                                        world.size)
             log.info("memory=auto: %s", info["auto"])
             self.relabel(strategy.label)
+            self._check_attention(strategy)  # at the precision chosen
         self.strategy = strategy
+
+    def _check_attention(self, strategy: MemoryStrategy) -> None:
+        """trainer.attention: kernels that run the model's attention here, at the strategy's precision (one small
+        call of each kind: the vocabularies do not matter)."""
+        args = model_args(self.conf["model"], 8, 8, False, pad_id=1)
+        check_attention(self.tr.get("attention"), args, self.device, strategy.amp_dtype or torch.float32)
 
     def _build_model(self) -> None:
         """The model, its loss, optimizer and scheduler, and the trainer that steps them."""
         conf, optim, strategy, world = self.conf, self.optim, self.strategy, self.world
         seed_everything(conf["seed"])  # the same initial weights whatever the data loading consumed
         self.model = build_model(conf["model"], self.encoded).to(self.device)
-        check_attention(self.model, self.device, strategy.amp_dtype or torch.float32, self.tr.get("attention"))
         net = LossModule(self.model, self.tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
         if strategy.fsdp:
             fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters

@@ -125,6 +125,11 @@ RUN = [
     ("no beams", ["trainer.beam_size=0"], "trainer.beam_size=0: must be an integer >= 1"),
     ("negative length penalty", ["trainer.length_penalty=-1"], "trainer.length_penalty=-1: must be a number >= 0"),
     ("a device peak of zero", ["trainer.peak_tflops=0"], "trainer.peak_tflops=0: must be a number > 0"),
+    ("an attention kernel that does not exist", ["trainer.attention=[flash,fast]"],
+     "trainer.attention=[flash,fast]: unknown fast; expected a list of flash, efficient, cudnn, math"),
+    ("attention kernels that cannot run the model's attention here", ["trainer.attention=flash"],
+     "trainer.attention=[flash]: none of these kernels runs the model's masked (the encoder's and cross-attention) "
+     "attention on cpu in float32 with attention dropout 0.1"),
     ("metrics logged every 0 steps", ["trainer.log_every=0"], "trainer.log_every=0: must be an integer >= 1"),
     ("decoding batches of 0 pairs", ["trainer.eval_batch_size=0"], "trainer.eval_batch_size=0: must be an integer >= 1"),
     ("a negative decoding length", ["trainer.max_len_a=-1"], "trainer.max_len_a=-1: must be a number >= 0"),

@@ -1,5 +1,7 @@
 """trainer.attention (src/kernels.py): the kernels attention runs, checked at the start, and planned."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -74,22 +76,24 @@ def test_the_chosen_kernels_run_and_compute_what_the_others_do():
 def test_kernels_that_cannot_run_the_models_attention_are_refused_at_the_start():
     """The CPU's flash kernel runs no dropout: with attention dropout, [flash] alone fails the check (named), and
     [flash,math] passes it (math attends where flash cannot)."""
-    with_dropout = model(attention_dropout=0.1)
+    cpu = torch.device("cpu")
+    with_dropout = ModelArgs(src_vocab=8, tgt_vocab=8, pad_id=1, attention_dropout=0.1, **TINY)
     for value in (["flash"], ["efficient", "cudnn"]):
         with attention_backends(value), pytest.raises(ConfigError, match=r"^trainer\.attention=\[.*masked .* on cpu in "
                                                                          r"float32 with attention dropout 0\.1"):
-            check_attention(with_dropout, torch.device("cpu"), torch.float32, value)
+            check_attention(value, with_dropout, cpu, torch.float32)
     with attention_backends(["flash", "math"]):
-        check_attention(with_dropout, torch.device("cpu"), torch.float32, ["flash", "math"])
-    without = model(attention_dropout=0.0)
+        check_attention(["flash", "math"], with_dropout, cpu, torch.float32)
+    without = dataclasses.replace(with_dropout, attention_dropout=0.0)
     with attention_backends(["flash"]):
-        check_attention(without, torch.device("cpu"), torch.bfloat16, ["flash"])
+        check_attention(["flash"], without, cpu, torch.bfloat16)
 
 
 def test_the_planner_plans_what_the_chosen_kernel_keeps():
     """Math keeps the attention weights for backward, the fused kernels do not. Planned for the CPU with [math] and
     without dropout, the estimate is the real step under [math], and larger than with PyTorch's choice (flash) by
-    the weights; planned for CUDA, [math] keeps them where the default (a fused kernel) does not."""
+    the weights. Planned for CUDA, a list keeps them where math would run some call: where it comes first, or
+    before every kernel that takes the call at the run's precision."""
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=1, attention_dropout=0.0, **TINY)
     shape = StepShape(2, 60, 60)
     for value in (None, ["math"]):
@@ -99,9 +103,15 @@ def test_the_planner_plans_what_the_chosen_kernel_keeps():
     flash, math = (estimate_step(args, MemoryStrategy(), shape, attention=v).peak_bytes for v in (None, ["math"]))
     # the weights of the last layer's calls at least: 4 heads x 60 x 60 fp32 for each of the 2 pairs
     assert math - flash >= 2 * 4 * 60 * 60 * 4
-    cuda_fused, cuda_math = (estimate_step(args, MemoryStrategy(), shape, device="cuda", attention=v).peak_bytes
-                             for v in (["efficient"], ["math", "efficient"]))
-    assert cuda_fused == flash and cuda_math == math
+    # on CUDA a call runs the first kernel that takes it: flash and cuDNN half precision only, flash no mask
+    for strategy in (MemoryStrategy(), MemoryStrategy(amp="bf16")):
+        cuda = {v: estimate_step(args, strategy, shape, device="cuda", attention=v).peak_bytes for v in (
+            None, ("efficient",), ("math", "efficient"), ("flash", "math"), ("flash", "efficient"), ("cudnn", "math"))}
+        assert cuda[("efficient",)] == cuda[("flash", "efficient")] == cuda[None]
+        assert cuda[("math", "efficient")] == cuda[("flash", "math")] > cuda[None]  # masked calls: math
+        assert cuda[("cudnn", "math")] == (cuda[None] if strategy.amp else cuda[("flash", "math")])
+        if not strategy.amp:  # the CPU plans' tensors: fused as the CPU's flash, math as its math
+            assert cuda[None] == flash and cuda[("math", "efficient")] == math
     with pytest.raises(ConfigError, match=r"^trainer\.attention=\[efficient\]: the CPU has none"):
         estimate_step(args, MemoryStrategy(), shape, attention=["efficient"])
 
