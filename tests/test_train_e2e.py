@@ -634,6 +634,26 @@ def test_deterministic_holds_for_the_run_only(fast_cfg, monkeypatch):
     assert [on for on, _ in seen] == [True] and not torch.are_deterministic_algorithms_enabled()  # step 1
 
 
+def test_attention_kernels_hold_for_the_run_only(fast_cfg, monkeypatch):
+    """trainer.attention: the kernels allowed while the run trains and evaluates (flash attention's switch, read
+    at each attention call), then the process's setting again (a sweep's next job starts from it)."""
+    from src.model import MultiHeadAttention
+
+    seen = set()
+    attend = MultiHeadAttention.attend
+
+    def watched(self, *args, **kwargs):
+        seen.add(torch.backends.cuda.flash_sdp_enabled())
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(MultiHeadAttention, "attend", watched)
+    summary = train(fast_cfg("trainer.max_steps=2", "trainer.attention=[math]"))
+    assert summary["status"] == "completed" and summary["attention"] == ["math"] and seen == {False}
+    assert torch.backends.cuda.flash_sdp_enabled()
+    seen.clear()
+    assert train(fast_cfg("trainer.max_steps=2", "trainer.resume=never"))["attention"] is None and seen == {True}
+
+
 def test_a_failed_runs_progress_bar_is_closed(fast_cfg, monkeypatch):
     """A sweep's jobs share the process: a job that fails closes its progress bar, so that the next job's bar
     takes its place instead of the line below it. The bars are held here, so that none is closed by being
