@@ -3,7 +3,8 @@
 Left at null, PyTorch picks for each call; on an H200 (torch 2.11) it picked cuDNN's attention. A list names the
 kernels allowed, in order of preference (``torch.nn.attention.sdpa_kernel`` with ``set_priority``):
 ``[flash, efficient]`` runs flash attention where it can (the decoder's causal self-attention; it takes no padding
-mask) and memory-efficient attention elsewhere; on the H200 that was 8-9% faster than PyTorch's choice for
+mask) and memory-efficient attention elsewhere. The order is CUDA's: the CPU, which has flash and math only, runs
+flash wherever the list allows it and flash takes the call (no dropout); on the H200 that was 8-9% faster than PyTorch's choice for
 model=base at bf16, about as much as one setting varied from run to run there (experiments/throughput).
 ``check_attention`` refuses, at the start and naming the key, a list that runs none of the model's attention calls
 on the run's device, precision and dropout; ``planned_attention`` tells the planner what the chosen kernels keep.
@@ -34,8 +35,8 @@ def attention_names(value) -> list[str] | None:
     """trainer.attention as a list of kernel names (one name alone is a list of one); null: PyTorch's choice."""
     if value is None:
         return None
-    names = [value] if isinstance(value, str) else list(value)
-    unknown = [n for n in names if n not in BACKENDS]
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
+    unknown = [n for n in names if not isinstance(n, str) or n not in BACKENDS]
     if not names or unknown or len(set(names)) < len(names):
         why = f"unknown {', '.join(map(str, unknown))}" if unknown else "empty" if not names else "a kernel named twice"
         raise ConfigError(f"trainer.attention={_shown(value)}: {why}; expected a list of {', '.join(BACKENDS)} in order of "
@@ -50,26 +51,55 @@ def attention_backends(value):
     return attention_kernels(None if names is None else [BACKENDS[n] for n in names])
 
 
-def planned_attention(value, device: str, half: bool) -> list[SDPBackend] | None:
+# The kernels PyTorch tries on CUDA where trainer.attention is null, in its order on an H100 or H200 (sm90; the H200
+# ran cuDNN's for every call of model=base at bf16 without attention dropout, and flash and memory-efficient with it)
+CUDA_DEFAULT = ("cudnn", "flash", "efficient", "math")
+
+
+def cuda_kernel(names: list[str] | None, masked: bool, half: bool, dropout: float, head_dim: int,
+                deterministic: bool) -> str:
+    """The kernel CUDA trains one of the model's attention calls with: the first of ``names`` that takes it, by
+    PyTorch 2.13's conditions (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) as far as this model's calls
+    meet them. Flash: half precision, no padding mask, head size at most 256 and a multiple of 8. cuDNN: half
+    precision, a dropout that is a multiple of 1/16 (0.1 is not), no deterministic algorithms, head size at most
+    128 and a multiple of 8. Memory-efficient: a head size that is a multiple of 8 in half precision, 4 in fp32.
+    Math: any call. (GPU generations and cuDNN versions add limits of their own: ``check_attention`` on the GPU
+    itself is the word on what runs.)"""
+    def takes(name: str) -> bool:
+        if name == "flash":
+            return half and not masked and head_dim <= 256 and head_dim % 8 == 0
+        if name == "cudnn":
+            return half and (dropout * 16).is_integer() and not deterministic and head_dim <= 128 and head_dim % 8 == 0
+        if name == "efficient":
+            return head_dim % (8 if half else 4) == 0
+        return True
+
+    return next((n for n in names or CUDA_DEFAULT if takes(n)), "math")
+
+
+def planned_attention(value, device: str, args: ModelArgs, half: bool) -> list[SDPBackend] | None:
     """The CPU kernels the planner's fake step (src/planner.py) attends with, to keep for backward what the
-    run's kernels on ``device`` keep, at half precision (autocast) or fp32. CUDA's fused kernels (flash, efficient,
-    cuDNN) keep their inputs, output and log-sum-exp, as the CPU's flash kernel does (run without dropout: CUDA's
-    draw it again in backward); math keeps the attention weights (and dropout's mask), as it does on the CPU. On
-    CUDA a call runs the first kernel of the list that takes it: flash and cuDNN take half precision only, and flash
-    no padding mask; where math would run any call, the plan keeps the weights in every call. For a CPU run, the
-    run's own list (None: PyTorch's choice, a fused kernel wherever one applies)."""
+    run's kernels on ``device`` keep for the model of ``args``, at half precision (autocast) or fp32. CUDA's fused
+    kernels (flash, efficient, cuDNN) keep their inputs, output and log-sum-exp, as the CPU's flash kernel does (run
+    without dropout: CUDA's draw it again in backward); math keeps the attention weights and dropout's mask, as it
+    does on the CPU (where that mask is a float per weight, on CUDA a byte: the plan is 3 bytes a weight over). On
+    CUDA a call runs the first kernel of the list that takes it (``cuda_kernel``; deterministic algorithms as they
+    are set, as in a run's memory=auto); where math would run a call, the plan keeps the weights in every call. For
+    a CPU run, the run's own list (None: PyTorch's choice)."""
     names = attention_names(value)
     if device == "cuda":
-        fused = {"efficient"} | ({"flash", "cudnn"} if half else set())
-        takes = (fused - {"flash"}, fused)  # the masked calls' kernels, the causal calls'
-        first = [next((n for n in (names or ["efficient"]) if n in kinds or n == "math"), "math") for kinds in takes]
-        return [SDPBackend.MATH] if "math" in first else [SDPBackend.FLASH_ATTENTION]
+        kinds = [cuda_kernel(names, masked, half, inner_dropouts(args)[0], args.d_model // args.n_heads,
+                             torch.are_deterministic_algorithms_enabled()) for masked in (True, False)]
+        return [SDPBackend.MATH] if "math" in kinds else [SDPBackend.FLASH_ATTENTION]
     if names is None:
         return None
     on_cpu = [BACKENDS[n] for n in names if n in CPU_KERNELS]
     if not on_cpu:
         raise ConfigError(f"trainer.attention={_shown(names)}: the CPU has none of these kernels, only "
                           f"{' and '.join(CPU_KERNELS)}")
+    if on_cpu == [SDPBackend.FLASH_ATTENTION] and inner_dropouts(args)[0]:
+        raise ConfigError(f"trainer.attention={_shown(names)}: the CPU's flash kernel runs no attention dropout "
+                          f"(the model's is {inner_dropouts(args)[0]}); add math, or set model.attention_dropout=0")
     return on_cpu
 
 
@@ -90,15 +120,21 @@ def check_attention(value, args: ModelArgs, device: torch.device, dtype: torch.d
     q = torch.randn(1, args.n_heads, 4, args.d_model // args.n_heads, device=device, dtype=dtype, requires_grad=True)
     mask = torch.ones(1, 1, 1, 4, dtype=torch.bool, device=device)
     mask[..., -1] = False  # one padded key
-    calls = (("masked (the encoder's and cross-attention)", {"attn_mask": mask}),
-             ("causal (the decoder's self-attention)", {"is_causal": True}))
-    for kind, kwargs in calls:
+    # training: forward and backward with dropout; decoding (no dropout, no gradient): one new position against
+    # the source (masked) and, at its first step, against itself alone (a key of one position: cuDNN takes none)
+    calls = (("masked (the encoder's and cross-attention)", q, q, p, {"attn_mask": mask}),
+             ("causal (the decoder's self-attention)", q, q, p, {"is_causal": True}),
+             ("decoding's cross-attention", q[:, :, :1].detach(), q.detach(), 0.0, {"attn_mask": mask}),
+             ("decoding's first self-attention", q[:, :, :1].detach(), q[:, :, :1].detach(), 0.0, {}))
+    for kind, query, key, dropout, kwargs in calls:
         try:
             with warnings.catch_warnings():  # PyTorch's reasons for each kernel it passed over
                 warnings.simplefilter("ignore")
-                F.scaled_dot_product_attention(q, q, q, dropout_p=p, **kwargs).sum().backward()
+                out = F.scaled_dot_product_attention(query, key, key, dropout_p=dropout, **kwargs)
+                if out.requires_grad:
+                    out.sum().backward()
         except RuntimeError as e:
             raise ConfigError(
                 f"trainer.attention={_shown(names)}: none of these kernels runs the model's {kind} attention on "
-                f"{device.type} in {str(dtype).removeprefix('torch.')} with attention dropout {p} "
+                f"{device.type} in {str(dtype).removeprefix('torch.')} with attention dropout {dropout} "
                 f"(PyTorch: {str(e).splitlines()[0].strip()}); add one that does, e.g. math, or set null") from None

@@ -203,7 +203,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     # fp16 and bf16 store the same bytes; the GradScaler's own state is a few scalars (and reads them back to the
     # host, which fake tensors cannot), so the plan runs fp16 as bf16.
     planned = dataclasses.replace(strategy, amp="bf16") if strategy.amp == "fp16" else strategy
-    kernels = planned_attention(attention, device, half=planned.amp is not None)
+    kernels = planned_attention(attention, device, args, half=planned.amp is not None)
     if device == "cuda" and kernels != [SDPBackend.MATH]:
         # CUDA's fused attention kernels draw the attention dropout again from their seed in backward and keep
         # what the CPU's fused kernel, which runs without it, keeps: no attention weights

@@ -366,7 +366,8 @@ class TrainingRun:
         chooses ``self.strategy`` from it."""
         tr, device, world = self.tr, self.device, self.world
         strategy.check_device(device)
-        self._check_attention(strategy)  # before the data is read, as the next
+        if not strategy.auto:  # memory=auto's precision is chosen once the data is read: checked then
+            self._check_attention(strategy)  # before the data is read, as the next
         check_scoring(self.data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
         if tr.get("threads"):
             torch.set_num_threads(tr["threads"])

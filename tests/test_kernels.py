@@ -1,13 +1,15 @@
 """trainer.attention (src/kernels.py): the kernels attention runs, checked at the start, and planned."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from src.errors import ConfigError
-from src.kernels import attention_backends, attention_names, check_attention
+from src.kernels import attention_backends, attention_names, check_attention, cuda_kernel
 from src.memory import MemoryStrategy
 from src.model import ModelArgs, Transformer
 from src.planner import TINY, StepShape, estimate_step, measure_step
@@ -50,7 +52,8 @@ def step_grads(net: Transformer, value, device: str = "cpu") -> tuple[list[str],
 
 
 @pytest.mark.parametrize("value, why", [("bogus", "unknown bogus"), ([], "empty"), (["math", "math"], "named twice"),
-                                        (["flash", 3], "unknown 3")])
+                                        (["flash", 3], "unknown 3"), (3, "unknown 3"), (True, "unknown True"),
+                                        ([["flash"]], r"unknown \['flash'\]")])
 def test_a_setting_that_names_no_kernel_list_is_refused_by_key(value, why):
     with pytest.raises(ConfigError, match=rf"^trainer\.attention=.*{why}.*flash, efficient, cudnn, math"):
         attention_names(value)
@@ -112,8 +115,57 @@ def test_the_planner_plans_what_the_chosen_kernel_keeps():
         assert cuda[("cudnn", "math")] == (cuda[None] if strategy.amp else cuda[("flash", "math")])
         if not strategy.amp:  # the CPU plans' tensors: fused as the CPU's flash, math as its math
             assert cuda[None] == flash and cuda[("math", "efficient")] == math
+    # cuDNN takes a dropout that is a multiple of 1/16 only (the models' 0.1 is not): math runs every call
+    bf16 = MemoryStrategy(amp="bf16")
+    for p, fused in ((0.1, False), (0.125, True)):
+        dropped = dataclasses.replace(args, attention_dropout=p)
+        plans = {v: estimate_step(dropped, bf16, shape, device="cuda", attention=v).peak_bytes
+                 for v in (("cudnn", "math"), ("math",), ("efficient",))}
+        assert (plans[("cudnn", "math")] == plans[("efficient",)] < plans[("math",)]) if fused else (
+            plans[("cudnn", "math")] == plans[("math",)] > plans[("efficient",)]), p
     with pytest.raises(ConfigError, match=r"^trainer\.attention=\[efficient\]: the CPU has none"):
         estimate_step(args, MemoryStrategy(), shape, attention=["efficient"])
+    with pytest.raises(ConfigError, match=r"^trainer\.attention=\[flash\]: the CPU's flash kernel runs no attention "
+                                          r"dropout \(the model's is 0\.1\)"):
+        estimate_step(dataclasses.replace(args, attention_dropout=0.1), MemoryStrategy(), shape, attention=["flash"])
+
+
+@pytest.mark.parametrize("names, masked, half, dropout, head_dim, deterministic, kernel", [
+    (None, True, True, 0.0, 64, False, "cudnn"),  # PyTorch's order on an H200
+    (None, True, True, 0.1, 64, False, "efficient"),  # cuDNN: dropout a multiple of 1/16 only
+    (None, False, True, 0.1, 64, False, "flash"),
+    (None, True, False, 0.0, 64, False, "efficient"),  # fp32: efficient alone of the fused kernels
+    (["flash", "math"], True, True, 0.0, 64, False, "math"),  # flash takes no mask
+    (["flash", "math"], False, False, 0.0, 64, False, "math"),  # nor fp32
+    (["cudnn", "math"], True, True, 0.0, 64, True, "math"),  # nor cuDNN deterministic algorithms
+    (["cudnn", "efficient"], True, True, 0.0, 192, False, "efficient"),  # cuDNN: head size at most 128
+    (["flash", "math"], False, True, 0.1, 320, False, "math"),  # flash: at most 256
+    (["efficient", "math"], True, False, 0.0, 6, False, "math"),  # efficient: a multiple of 4 in fp32
+])
+def test_the_cuda_kernel_of_a_call_is_the_first_that_takes_it(names, masked, half, dropout, head_dim, deterministic,
+                                                               kernel):
+    assert cuda_kernel(names, masked, half, dropout, head_dim, deterministic) == kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_runs_the_kernels_the_planner_expects():
+    """What the planner assumes CUDA runs (``cuda_kernel``), against what runs: a masked and a causal training call
+    of the model's head size (d_model 128, 4 heads) for several lists, precisions and dropouts."""
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool, device="cuda")
+    mask[0, ..., 4:] = False
+    for names in (None, ["cudnn", "math"], ["flash", "efficient"], ["efficient"], ["flash", "math"]):
+        for dtype, p in itertools.product((torch.bfloat16, torch.float32), (0.0, 0.1, 0.125)):
+            q = torch.randn(2, 4, 6, 32, device="cuda", dtype=dtype, requires_grad=True)
+            for masked in (True, False):
+                with attention_backends(names), KernelsSeen() as mode:
+                    try:
+                        F.scaled_dot_product_attention(q, q, q, dropout_p=p, **(
+                            {"attn_mask": mask} if masked else {"is_causal": True})).sum().backward()
+                    except RuntimeError:  # no kernel of the list takes it: check_attention refuses the list
+                        continue
+                ran = mode.seen[0] if mode.seen else "math"
+                assert ran == cuda_kernel(names, masked, dtype == torch.bfloat16, p, 32, False), (names, dtype, p, masked)
 
 
 @pytest.mark.gpu

@@ -647,9 +647,10 @@ def test_attention_kernels_hold_for_the_run_only(fast_cfg, monkeypatch):
         return attend(self, *args, **kwargs)
 
     monkeypatch.setattr(MultiHeadAttention, "attend", watched)
+    order = torch._C._get_sdp_priority_order()
     summary = train(fast_cfg("trainer.max_steps=2", "trainer.attention=[math]"))
     assert summary["status"] == "completed" and summary["attention"] == ["math"] and seen == {False}
-    assert torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled() and torch._C._get_sdp_priority_order() == order
     seen.clear()
     assert train(fast_cfg("trainer.max_steps=2", "trainer.resume=never"))["attention"] is None and seen == {True}
 
