@@ -51,8 +51,8 @@ def attention_backends(value):
     return attention_kernels(None if names is None else [BACKENDS[n] for n in names])
 
 
-# The kernels PyTorch tries on CUDA where trainer.attention is null, in its order on an H100 or H200 (sm90; the H200
-# ran cuDNN's for every call of model=base at bf16 without attention dropout, and flash and memory-efficient with it)
+# The kernels PyTorch tries on CUDA where trainer.attention is null, in its order on an H100 or H200 (sm90: the H200
+# ran cuDNN's for every call of model=base at bf16 without attention dropout)
 CUDA_DEFAULT = ("cudnn", "flash", "efficient", "math")
 
 
