@@ -3,9 +3,10 @@
 Left at null, PyTorch picks for each call; on an H200 (torch 2.11) it picked cuDNN's attention. A list names the
 kernels allowed, in order of preference (``torch.nn.attention.sdpa_kernel`` with ``set_priority``):
 ``[flash, efficient]`` runs flash attention where it can (the decoder's causal self-attention; it takes no padding
-mask) and memory-efficient attention elsewhere. The order is CUDA's: the CPU, which has flash and math only, runs
-flash wherever the list allows it and flash takes the call (no dropout); on the H200 that was 8-9% faster than PyTorch's choice for
-model=base at bf16, about as much as one setting varied from run to run there (experiments/throughput).
+mask) and memory-efficient attention elsewhere; on the H200 that was 8-9% faster than PyTorch's choice for
+model=base at bf16, about as much as one setting varied from run to run there (experiments/throughput). The order
+is CUDA's: the CPU, which has flash and math only, runs flash wherever the list allows it and flash takes the call
+(no attention dropout).
 ``check_attention`` refuses, at the start and naming the key, a list that runs none of the model's attention calls
 on the run's device, precision and dropout; ``planned_attention`` tells the planner what the chosen kernels keep.
 """

@@ -8,10 +8,10 @@
    warm-up steps, peak CUDA memory (allocated and reserved), model FLOPs per step (as the run logs them:
    ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's
    datasheet peak where it is known;
-   the same with other attention kernels than PyTorch's choice (trainer.attention, ATTENTION_CHOICES), and at fp32
-   (TF32 off, PyTorch's default) for comparison;
+   the same with other attention kernels than PyTorch's choice (trainer.attention: --attention, by default
+   ATTENTION_CHOICES), and at fp32 (TF32 off, PyTorch's default) for comparison;
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
-   operators by CUDA time; the same with the first of --attention: profile_bf16_flash_efficient_ops.txt;
+   operators by CUDA time; the same with the first of --attention: profile_bf16_<its kernels>_ops.txt;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
    case included;
