@@ -170,6 +170,19 @@ def test_cuda_runs_the_kernels_the_planner_expects():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_list_that_trains_but_cannot_decode_is_refused_at_the_start():
+    """cuDNN's attention takes no key of one position (PyTorch's check_cudnn_tensor_shapes), which decoding's first
+    step attends to: [cudnn] trains a model without attention dropout in bf16 and is refused for decoding."""
+    args = ModelArgs(src_vocab=8, tgt_vocab=8, pad_id=1, attention_dropout=0.0, **TINY)
+    cuda = torch.device("cuda")
+    with attention_backends(["cudnn"]), pytest.raises(ConfigError, match=r"decoding's first self-attention"):
+        check_attention(["cudnn"], args, cuda, torch.bfloat16)
+    with attention_backends(["cudnn", "math"]):
+        check_attention(["cudnn", "math"], args, cuda, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_runs_flash_where_it_can_and_efficient_where_a_mask_is_needed():
     """[flash,efficient] in bf16: the decoder's causal self-attention in flash attention, the masked calls in
     memory-efficient attention; their gradients are those of math's."""
