@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--attention", nargs="+", default=list(ATTENTION_CHOICES),
                         help="trainer.attention settings timed besides PyTorch's choice; the first is profiled too")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the bf16 runs (PyTorch's choice and --attention)")
+    parser.add_argument("--commit", help="the commit to record, where the tree's copy does not know its own (a device "
+                        "tool's copy reported its session's first commit plus changes)")
     parser.add_argument("--out", default=str(HERE))
     args = parser.parse_args()
     os.environ["MULTI30K_ROOT"] = args.root
@@ -116,7 +118,7 @@ def main() -> None:
     bf16_rate, fp32_rate = matmul_rate(torch.bfloat16, n, 20, device), matmul_rate(torch.float32, n, 20, device)
     peak = datasheet_peak(name) if cuda else None
     print(f"{name}: bf16 {bf16_rate / 1e12:.1f} TFLOP/s, fp32 {fp32_rate / 1e12:.1f} TFLOP/s (measured)", flush=True)
-    results = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "device": name,
+    results = {"date": time.strftime("%Y-%m-%d"), "commit": args.commit or commit(), "device": name,
                "torch": torch.__version__,
                "cuda": torch.version.cuda, "matmul_bf16_tflops": round(bf16_rate / 1e12, 1),
                "matmul_fp32_tflops": round(fp32_rate / 1e12, 1),
