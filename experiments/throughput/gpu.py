@@ -11,7 +11,7 @@
    the same with other attention kernels than PyTorch's choice (trainer.attention: --attention, by default
    ATTENTION_CHOICES), and at fp32 (TF32 off, PyTorch's default) for comparison;
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
-   operators by CUDA time; the same with the first of --attention: profile_bf16_<its kernels>_ops.txt;
+   operators by CUDA time; then the same with the first of --attention, in the same file;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
    case included;
@@ -172,6 +172,8 @@ def main() -> None:
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
+        # one file for both profiles: the device tool returns at most 8 files, and all parts write 8 with it
+        sections = []
         for choice, label in ((None, "profile_bf16"), (args.attention[0], "profile_bf16_" + words(args.attention[0]))):
             run_dir = ROOT / "outputs" / "throughput_gpu" / stamp / label
             ran(label, sub("train.py", "experiment=throughput_ref", "trainer.progress=false", f"hydra.run.dir={run_dir}",
@@ -180,7 +182,9 @@ def main() -> None:
                 *([f"trainer.attention={choice}"] if choice else [])))
             ops = run_dir / "profile" / "ops.txt"
             if ops.is_file():
-                write_text(out / f"{label}_ops.txt", ops.read_text())
+                heading = f"trainer.attention={choice}" if choice else "trainer.attention=null (PyTorch's choice)"
+                sections.append(f"# {heading}\n\n{ops.read_text()}")
+                write_text(out / "profile_bf16_ops.txt", "\n\n".join(sections))
     if "memory" not in args.skip:
         ran("memory", sub("experiments/memory_strategies/measure.py", "--device", args.device, "--root", args.root,
             "--out", str(out / "memory_strategies")))
