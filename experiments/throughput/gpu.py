@@ -1,4 +1,4 @@
-"""Everything this repository measures on a GPU, in one command (about 8 minutes on one H200, then the compile run):
+"""Everything this repository measures on a GPU, in one command (about 6 minutes on one H200, then the compile run):
 
     MULTI30K_ROOT=/path/to/multi30k python experiments/throughput/gpu.py [--out DIR] [--steps 200]
 
