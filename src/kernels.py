@@ -9,11 +9,14 @@ is CUDA's: the CPU, which has flash and math only, runs flash wherever the list 
 (no attention dropout).
 ``check_attention`` refuses, at the start and naming the key, a list that runs none of the model's attention calls
 on the run's device, precision and dropout; ``planned_attention`` tells the planner what the chosen kernels keep.
+trainer.deterministic (``deterministic_algorithms``), PyTorch's deterministic kernels, is set here too: it decides
+whether cuDNN's attention runs, and cuBLAS's workspace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -139,3 +142,25 @@ def check_attention(value, args: ModelArgs, device: torch.device, dtype: torch.d
                 f"trainer.attention={_shown(names)}: none of these kernels runs the model's {kind} attention on "
                 f"{device.type} in {str(dtype).removeprefix('torch.')} with attention dropout {dropout} "
                 f"(PyTorch: {str(e).splitlines()[0].strip()}); add one that does, e.g. math, or set null") from None
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """trainer.deterministic: for the run, PyTorch's deterministic kernels (``torch.use_deterministic_algorithms``;
+    an operator that has none stops the run with PyTorch's message) and no cuDNN benchmarking; restored afterwards,
+    since a sweep's jobs share the process. CUDA: cuBLAS reproduces its results only with a fixed workspace,
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, set here unless given; cuBLAS reads it when the process first multiplies on
+    the GPU, so a sweep that mixes settings should export it before it starts."""
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]

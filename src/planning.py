@@ -13,6 +13,7 @@ from .data.batching import check_token_budget
 from .data.encode import EncodedCorpus, EncodedSplit
 from .data.prepare import prepare_data
 from .errors import ConfigError, DataError
+from .kernels import deterministic_algorithms
 from .memory import MemoryStrategy, memory_strategy
 from .settings import check_settings
 
@@ -88,15 +89,18 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
     if world_size > 1:
         info["world_size"] = world_size
-    if strategy.auto:
-        budget = usable_budget(conf, strategy, device)
-        strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
-                                                               conf["data"]["batch_size"], budget, "bf16", ls, clip,
-                                                               device, world_size, configured,
-                                                               conf["trainer"].get("attention"))
-        return strategy, est, info
-    shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
-                                       strategy.accum_steps)
-    return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device,
-                                            conf["trainer"].get("attention")), info
+    # as the run: trainer.deterministic decides whether cuDNN's attention runs (kernels.cuda_kernel), and its
+    # CUBLAS_WORKSPACE_CONFIG cuBLAS's workspaces
+    with deterministic_algorithms(conf["trainer"]["deterministic"]):
+        if strategy.auto:
+            budget = usable_budget(conf, strategy, device)
+            strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
+                                                                   conf["data"]["batch_size"], budget, "bf16", ls,
+                                                                   clip, device, world_size, configured,
+                                                                   conf["trainer"].get("attention"))
+            return strategy, est, info
+        shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                           strategy.accum_steps)
+        return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device,
+                                                conf["trainer"].get("attention")), info
 

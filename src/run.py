@@ -47,7 +47,7 @@ from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
-from .kernels import attention_backends, attention_names, check_attention
+from .kernels import attention_backends, attention_names, check_attention, deterministic_algorithms
 from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
 from .memory import (
     MemoryStrategy,
@@ -267,28 +267,6 @@ def hold_run_dir(run_dir: Path, held: contextlib.ExitStack) -> None:
         holder = lock.read_text(encoding="utf-8").strip() if lock.is_file() else ""
         raise RunDirBusy(f"{run_dir}: another process is running in this directory ({holder or 'its lock: ' + str(lock)});"
                          f" give this run its own ({run_dir_key()}=...), or wait for that one to end")
-
-
-@contextlib.contextmanager
-def deterministic_algorithms(enabled: bool):
-    """trainer.deterministic: for the run, PyTorch's deterministic kernels (``torch.use_deterministic_algorithms``;
-    an operator that has none stops the run with PyTorch's message) and no cuDNN benchmarking; restored afterwards,
-    since a sweep's jobs share the process. CUDA: cuBLAS reproduces its results only with a fixed workspace,
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, set here unless given; cuBLAS reads it when the process first multiplies on
-    the GPU, so a sweep that mixes settings should export it before it starts."""
-    if not enabled:
-        yield
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.benchmark)
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.backends.cudnn.benchmark = before[2]
 
 
 def check_sweep_job(path: Path, ckpt: dict, strategy: MemoryStrategy, run_dir: Path) -> None:

@@ -197,3 +197,21 @@ def test_cuda_runs_flash_where_it_can_and_efficient_where_a_mask_is_needed():
     # gradient is zero, are rounding noise alone)
     ours, theirs = (torch.cat([g.float().flatten() for g in gs]) for gs in (grads, reference))
     assert (ours - theirs).norm() <= 0.05 * theirs.norm()
+
+
+def test_plan_py_plans_cudnn_as_a_deterministic_run_runs_it(fast_cfg, monkeypatch):
+    """trainer.deterministic takes cuDNN's attention away (PyTorch has no deterministic cuDNN attention): plan.py
+    plans [cudnn,math] as math for a deterministic run and as a fused kernel otherwise, and leaves the process's
+    setting as it was."""
+    from omegaconf import OmegaConf
+
+    from src.planning import plan_config
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    sizes = ["plan.src_len=60", "plan.tgt_len=60", "plan.src_vocab=300", "plan.tgt_vocab=250", "memory=amp",
+             "model.attention_dropout=0.0", "trainer.attention=[cudnn,math]"]
+    fused, deterministic, math = (
+        plan_config(OmegaConf.to_container(fast_cfg(*sizes, *extra), resolve=True))[1].peak_bytes
+        for extra in ([], ["trainer.deterministic=true"], ["trainer.attention=[math]"]))
+    assert fused < deterministic == math
+    assert not torch.are_deterministic_algorithms_enabled()
