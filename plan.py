@@ -101,6 +101,17 @@ DEVICE_NOTE = {"cuda": "for CUDA (plan.device: attention in fused kernels)",
                "cpu": "as on the CPU (plan.device: attention keeps its weights when it has dropout)"}
 
 
+def device_note(info: dict) -> str:
+    """How the plan attended: as on its device by default, else as trainer.attention runs there."""
+    if "attention" not in info:
+        return DEVICE_NOTE[info["device"]]
+    setting = f"trainer.attention={info['attention']['setting']}"
+    if info["device"] == "cpu":
+        return f"as on the CPU (plan.device), attention in the kernels of {setting}"
+    return (f"for CUDA (plan.device), attention as {setting} runs there: "
+            + ("in math, which keeps its weights for backward" if info["attention"]["math"] else "in fused kernels"))
+
+
 def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
     from src.memory import CATEGORIES
     from src.planner import cost_note
@@ -129,7 +140,7 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
         print("memory=auto tried: " + ", ".join(f"{t['strategy']} x{t['accum_steps']} {t['estimate_mb']:,.0f} MiB"
                                                  for t in info["tried"])
               + (" (each with cuBLAS's workspaces)" if est.workspace else ""))
-    print(f"estimated in {est.seconds:.1f} s on fake tensors, {DEVICE_NOTE[info['device']]}; expected cost: "
+    print(f"estimated in {est.seconds:.1f} s on fake tensors, {device_note(info)}; expected cost: "
           f"{cost_note(strategy)}")
 
 
@@ -194,7 +205,9 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         notes.append("needs = (peak + cuBLAS workspaces) x (1 + plan.overhead) + plan.context_gb, each row's own")
     if workspaces := {r[3].workspace for r in ranked if r[3].workspace}:
         notes.append("cuBLAS workspaces " + " or ".join(f"{w / 2**20:g} MiB" for w in sorted(workspaces)))
-    notes.append(f"planned {DEVICE_NOTE[devices.pop()]}" if len(devices) == 1 else "planned for each row's plan.device")
+    planned_as = {device_note(r[4]) for r in ranked}
+    notes.append(f"planned {planned_as.pop()}" if len(planned_as) == 1 else
+                 "planned for each row's plan.device" + (" and trainer.attention" if len(devices) == 1 else ""))
     print("\n" + "; ".join(notes))
 
 

@@ -31,7 +31,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 CPU_KERNELS = ("flash", "math")  # flash only without dropout
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
     return f"[{','.join(map(str, value))}]" if isinstance(value, (list, tuple)) else str(value)
 
 
@@ -43,7 +43,7 @@ def attention_names(value) -> list[str] | None:
     unknown = [n for n in names if not isinstance(n, str) or n not in BACKENDS]
     if not names or unknown or len(set(names)) < len(names):
         why = f"unknown {', '.join(map(str, unknown))}" if unknown else "empty" if not names else "a kernel named twice"
-        raise ConfigError(f"trainer.attention={_shown(value)}: {why}; expected a list of {', '.join(BACKENDS)} in order of "
+        raise ConfigError(f"trainer.attention={shown(value)}: {why}; expected a list of {', '.join(BACKENDS)} in order of "
                           "preference (e.g. [flash,efficient]), or null for PyTorch's choice")
     return names
 
@@ -99,10 +99,10 @@ def planned_attention(value, device: str, args: ModelArgs, half: bool) -> list[S
         return None
     on_cpu = [BACKENDS[n] for n in names if n in CPU_KERNELS]
     if not on_cpu:
-        raise ConfigError(f"trainer.attention={_shown(names)}: the CPU has none of these kernels, only "
+        raise ConfigError(f"trainer.attention={shown(names)}: the CPU has none of these kernels, only "
                           f"{' and '.join(CPU_KERNELS)}")
     if on_cpu == [SDPBackend.FLASH_ATTENTION] and inner_dropouts(args)[0]:
-        raise ConfigError(f"trainer.attention={_shown(names)}: the CPU's flash kernel runs no attention dropout "
+        raise ConfigError(f"trainer.attention={shown(names)}: the CPU's flash kernel runs no attention dropout "
                           f"(the model's is {inner_dropouts(args)[0]}); add math, or set model.attention_dropout=0")
     return on_cpu
 
@@ -139,7 +139,7 @@ def check_attention(value, args: ModelArgs, device: torch.device, dtype: torch.d
                     out.sum().backward()
         except RuntimeError as e:
             raise ConfigError(
-                f"trainer.attention={_shown(names)}: none of these kernels runs the model's {kind} attention on "
+                f"trainer.attention={shown(names)}: none of these kernels runs the model's {kind} attention on "
                 f"{device.type} in {str(dtype).removeprefix('torch.')} with attention dropout {dropout} "
                 f"(PyTorch: {str(e).splitlines()[0].strip()}); add one that does, e.g. math, or set null") from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from . import planner
 from .building import encoded_model_args, model_args
@@ -13,7 +14,7 @@ from .data.batching import check_token_budget
 from .data.encode import EncodedCorpus, EncodedSplit
 from .data.prepare import prepare_data
 from .errors import ConfigError, DataError
-from .kernels import deterministic_algorithms
+from .kernels import attention_names, deterministic_algorithms, planned_attention, shown
 from .memory import MemoryStrategy, memory_strategy
 from .settings import check_settings
 
@@ -91,16 +92,20 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         info["world_size"] = world_size
     # as the run: trainer.deterministic decides whether cuDNN's attention runs (kernels.cuda_kernel), and its
     # CUBLAS_WORKSPACE_CONFIG cuBLAS's workspaces
+    attention = conf["trainer"].get("attention")
     with deterministic_algorithms(conf["trainer"]["deterministic"]):
         if strategy.auto:
             budget = usable_budget(conf, strategy, device)
             strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
                                                                    conf["data"]["batch_size"], budget, "bf16", ls,
-                                                                   clip, device, world_size, configured,
-                                                                   conf["trainer"].get("attention"))
-            return strategy, est, info
-        shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
-                                           strategy.accum_steps)
-        return strategy, planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device,
-                                                conf["trainer"].get("attention")), info
+                                                                   clip, device, world_size, configured, attention)
+        else:
+            shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                               strategy.accum_steps)
+            est = planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device, attention)
+        if attention is not None:  # what plan.py says it planned: the setting, and on CUDA the kernel it runs
+            kernels = planned_attention(attention, device, args, half=strategy.amp is not None)
+            info["attention"] = {"setting": shown(attention_names(attention)),
+                                 "math": device == "cuda" and kernels == [SDPBackend.MATH]}
+    return strategy, est, info
 

@@ -210,8 +210,12 @@ def test_plan_py_plans_cudnn_as_a_deterministic_run_runs_it(fast_cfg, monkeypatc
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     sizes = ["plan.src_len=60", "plan.tgt_len=60", "plan.src_vocab=300", "plan.tgt_vocab=250", "memory=amp",
              "model.attention_dropout=0.0", "trainer.attention=[cudnn,math]"]
-    fused, deterministic, math = (
-        plan_config(OmegaConf.to_container(fast_cfg(*sizes, *extra), resolve=True))[1].peak_bytes
-        for extra in ([], ["trainer.deterministic=true"], ["trainer.attention=[math]"]))
+    plans = [plan_config(OmegaConf.to_container(fast_cfg(*sizes, *extra), resolve=True))
+             for extra in ([], ["trainer.deterministic=true"], ["trainer.attention=[math]"])]
+    fused, deterministic, math = (est.peak_bytes for _, est, _ in plans)
     assert fused < deterministic == math
+    # and plan.py says which it planned
+    assert [info["attention"] for _, _, info in plans] == [{"setting": "[cudnn,math]", "math": False},
+                                                           {"setting": "[cudnn,math]", "math": True},
+                                                           {"setting": "[math]", "math": True}]
     assert not torch.are_deterministic_algorithms_enabled()
