@@ -90,9 +90,9 @@ def planned_attention(value, device: str, args: ModelArgs, half: bool) -> list[S
     CUDA a call runs the first kernel of the list that takes it (``cuda_kernel``; deterministic algorithms as they
     are set, as in a run's memory=auto); where math would run a call, the plan keeps the weights in every call. For
     a CPU run, the run's own list (None: PyTorch's choice)."""
-    names = attention_names(value)
+    names, dropout = attention_names(value), inner_dropouts(args)[0]
     if device == "cuda":
-        kinds = [cuda_kernel(names, masked, half, inner_dropouts(args)[0], args.d_model // args.n_heads,
+        kinds = [cuda_kernel(names, masked, half, dropout, args.d_model // args.n_heads,
                              torch.are_deterministic_algorithms_enabled()) for masked in (True, False)]
         return [SDPBackend.MATH] if "math" in kinds else [SDPBackend.FLASH_ATTENTION]
     if names is None:
@@ -101,9 +101,9 @@ def planned_attention(value, device: str, args: ModelArgs, half: bool) -> list[S
     if not on_cpu:
         raise ConfigError(f"trainer.attention={shown(names)}: the CPU has none of these kernels, only "
                           f"{' and '.join(CPU_KERNELS)}")
-    if on_cpu == [SDPBackend.FLASH_ATTENTION] and inner_dropouts(args)[0]:
+    if on_cpu == [SDPBackend.FLASH_ATTENTION] and dropout:
         raise ConfigError(f"trainer.attention={shown(names)}: the CPU's flash kernel runs no attention dropout "
-                          f"(the model's is {inner_dropouts(args)[0]}); add math, or set model.attention_dropout=0")
+                          f"(the model's is {dropout}); add math, or set model.attention_dropout=0")
     return on_cpu
 
 
