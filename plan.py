@@ -130,6 +130,8 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           f"MiB, backward {est.backward_delta / 2**20:+,.1f} MiB)")
     if est.workspace:
         print(f"  {'+ cuBLAS':<12} {est.workspace / 2**20:>10,.1f} MiB   (workspaces, allocated beside the tensors)")
+    print(f"  {'compute':<12} {est.flops / 1e9:>10,.1f} GFLOP   ({est.compute:.2f}x the model's FLOPs: what the step "
+          "computes again counted)")
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
     key = "memory.budget_gb" if strategy.auto else "plan.gpu_gb"
@@ -179,7 +181,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
     lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
     devices = {r[4]["device"] for r in ranked}
     fits = f"fits {plans[0]['gpu_gb']:g} GB" if len(cards) == 1 else "fits plan.gpu_gb"
-    head = ["job", "run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "expected cost"]
+    head = ["job", "run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "compute", "expected cost"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
@@ -194,7 +196,8 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         verdict = "yes" if need <= plan["gpu_gb"] else "**no**"
         print("| " + " | ".join([
             str(number[id(job)]), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
-            verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", cost_note(strategy)]) + " |")
+            verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", f"{est.compute:.2f}x",
+            cost_note(strategy)]) + " |")
     notes = []
     if len(lengths) == 1:
         notes.append("worst-case batch: {} source / {} target positions per pair".format(*lengths.pop()))
@@ -205,6 +208,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         notes.append("needs = (peak + cuBLAS workspaces) x (1 + plan.overhead) + plan.context_gb, each row's own")
     if workspaces := {r[3].workspace for r in ranked if r[3].workspace}:
         notes.append("cuBLAS workspaces " + " or ".join(f"{w / 2**20:g} MiB" for w in sorted(workspaces)))
+    notes.append("compute = the step's FLOPs, recomputation counted, against the model's")
     planned_as = {device_note(r[4]) for r in ranked}
     notes.append(f"planned {planned_as.pop()}" if len(planned_as) == 1 else
                  "planned for each row's plan.device" + (" and trainer.attention" if len(devices) == 1 else ""))

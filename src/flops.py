@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
 
 def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 10,
@@ -23,3 +25,37 @@ def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int 
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+
+class FlopCount(TorchDispatchMode):
+    """The FLOPs of the matrix products run under it, ``total``, by PyTorch's formulas (``FlopCounterMode``'s: 2
+    per multiply-add), the CPU's fused attention kernel counted as CUDA's is: forward, and backward with the scores
+    it computes again. It counts the work a step does, recomputation included (memory=checkpoint's forward again,
+    chunked_ce's output projection again), where ``ModelArgs.training_flops`` counts the model's, each product once.
+    ``FlopCounterMode`` itself also tracks modules, with hooks under which memory=checkpoint keeps what it would
+    not (a planned model=small step: 546 MiB against 274), so the planner, which counts memory in the same step,
+    counts FLOPs with this."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+        aten = torch.ops.aten
+        self.formulas = {**flop_registry,
+                         aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_attention),
+                         aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_cpu_attention_backward)}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (formula := self.formulas.get(func._overloadpacket)) is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _cpu_attention(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)

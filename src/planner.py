@@ -8,7 +8,9 @@ the same categories: parameters, gradients, optimizer state, activations, logits
 
 The batch is the worst case the settings allow: every sentence as long as the longest training sentence, so no
 position is padding (the one data-dependent operator, the list of non-pad positions, is answered "all of them").
-As in training, the step measured is a second one, after the first has created Adam's state.
+As in training, the step measured is a second one, after the first has created Adam's state. The same step's
+matrix products are counted too (``flops.FlopCount``), recomputation included: what a strategy costs in work
+(``Estimate.compute``: checkpoint's forward again, chunked_ce's output projection again).
 
 CPU kernels decide the shapes here, with one exception where CUDA's differ by much: attention. With dropout on
 the attention weights, the CPU runs attention as matrix products and keeps the weights and their dropout mask for
@@ -41,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .data.batching import Batch
 from .distributed import World, fully_shard_net
 from .errors import ConfigError
+from .flops import FlopCount
 from .kernels import attention_kernels, planned_attention
 from .memory import CATEGORIES, MemoryStrategy, create_optimizer_state, free_earlier_runs, tracked_step
 from .model import ModelArgs, Transformer
@@ -122,6 +125,13 @@ class Estimate:
     shape: StepShape
     seconds: float  # how long the estimate took
     workspace: int = 0  # cuBLAS's workspaces, planned for CUDA: allocated beside the tensors (``cublas_workspaces``)
+    flops: int = 0  # the step's work, all its micro-batches, as ``flops.FlopCount`` counts it: recomputation in
+    model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
+
+    @property
+    def compute(self) -> float:
+        """The step's work against the model's FLOPs: what the strategy computes again (1.0: nothing)."""
+        return self.flops / self.model_flops if self.model_flops else float("nan")
 
     @property
     def peak_mb(self) -> float:
@@ -220,7 +230,8 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         micro = [_fake_batch(shape) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
-        tracker = tracked_step(trainer, micro, marks=marks)
+        with FlopCount() as counter:
+            tracker = tracked_step(trainer, micro, marks=marks)
     est = Estimate(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
@@ -229,6 +240,9 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         parameters=sum(p.numel() for p in model.parameters()),
         shape=shape,
         seconds=time.perf_counter() - started,
+        # the micro-batches run are equal: the others of the step do what they did
+        flops=counter.total * shape.accum_steps // len(micro),
+        model_flops=args.training_flops(shape.pairs, shape.src_len, shape.tgt_len) * shape.accum_steps,
     )
     if strategy.fsdp:
         est = shard_estimate(est, args, world_size, device)
@@ -399,9 +413,9 @@ def cost_note(strategy: MemoryStrategy) -> str:
     if strategy.accum_steps > 1:
         notes.append("accum: slower once micro-batches no longer fill the device")
     if strategy.checkpoint:
-        notes.append("checkpoint: one more forward per layer (20-35% slower)")
+        notes.append("checkpoint: each layer's forward again in backward")
     if strategy.loss_chunk:
-        notes.append("chunked_ce: one more output projection, padding skipped")
+        notes.append("chunked_ce: the output projection again in backward, padding skipped")
     if strategy.truncates:
         notes.append("truncate: cut tokens cost BLEU")
     if strategy.max_tokens:

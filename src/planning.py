@@ -36,6 +36,7 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
         "budget_gb": strategy.budget_gb, "usable_mb": round(budget / planner.MiB, 1), "chosen": chosen.label,
         "accum_steps": chosen.accum_steps, "amp": chosen.amp, "checkpoint": chosen.checkpoint,
         "estimate_mb": round(est.allocated_bytes / planner.MiB, 1), "worst_case": dataclasses.asdict(est.shape),
+        "compute": round(est.compute, 3),  # the step's work against the model's FLOPs (checkpoint's: about 1.3)
         "tried": tried,
     }
 

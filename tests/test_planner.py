@@ -1,5 +1,6 @@
 """The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
 
+import dataclasses
 import itertools
 import json
 import re
@@ -120,6 +121,42 @@ def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cp
         assert as_cpu.peak_bytes > 1.10 * fused_real, (strategy.label, as_cpu.peak_mb, fused_real)
 
 
+def test_the_plan_counts_the_work_a_real_step_does_recomputation_included():
+    """Estimate.flops, counted on the planned step's fake tensors (flops.FlopCount), equals the same count of a
+    real CPU step of the shape, and, where attention runs as matrix products (attention dropout, planned as on the
+    CPU), PyTorch's FlopCounterMode's. Nothing recomputed: the model's FLOPs (training_flops); checkpoint adds each
+    layer's forward, chunked_ce the output projection's, the CUDA plan's fused attention its scores in backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from src.flops import FlopCount
+    from src.planner import real_step
+
+    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=1, d_model=64, n_heads=4, d_ff=128, encoder_layers=2,
+                     decoder_layers=3, dropout=0.1)
+    for device, strategy in itertools.product(("cpu", "cuda"), (
+            MemoryStrategy(), MemoryStrategy(amp="bf16"), MemoryStrategy(checkpoint=True),
+            MemoryStrategy(loss_chunk=7), MemoryStrategy(accum_steps=3, checkpoint=True))):
+        shape = StepShape(4, 9, 8, accum_steps=strategy.accum_steps)
+        est = estimate_step(args, strategy, shape, device=device)
+        fused = dataclasses.replace(args, attention_dropout=0.0)  # what the CUDA plan's attention runs as
+        trainer, micro = real_step(args if device == "cpu" else fused, strategy, shape, torch.device("cpu"))
+        with FlopCount() as counted:
+            trainer.step(micro)
+        assert est.flops == counted.total, (device, strategy.label)
+        model = args.training_flops(shape.pairs, shape.src_len, shape.tgt_len) * shape.accum_steps
+        assert est.model_flops == model
+        projection = 2 * shape.pairs * shape.tgt_len * args.d_model * args.tgt_vocab * shape.accum_steps
+        extra = {"checkpoint": model // 3 - projection, "chunked_ce": projection}.get(
+            strategy.label.removeprefix("accum+"), 0)  # each layer's forward again; the output projection again
+        if device == "cpu":
+            with FlopCounterMode(display=False) as torch_counted:
+                trainer.step(micro)
+            assert est.flops == torch_counted.get_total_flops() == model + extra, strategy.label
+        else:
+            assert est.flops > model + extra  # the fused kernels' scores again
+            assert est.compute < (model + extra) / model + 0.01
+
+
 def test_worst_case_shapes_follow_the_batching_rules():
     assert worst_case_shapes(40, 30, 128, None, 1) == [StepShape(128, 41, 31, 1)]
     assert worst_case_shapes(40, 30, 128, None, 4) == [StepShape(32, 41, 31, 4)]
@@ -187,7 +224,10 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
     assert plan.main(["-m", "memory=none,[amp,checkpoint,chunked_ce]", *common]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and not line.startswith("| job")]
     assert [r.split(" | ")[:2] for r in rows] == [["| 1", "amp+checkpoint+chunked_ce"], ["| 0", "none"]]  # by peak
-    assert rows[0].split(" | ")[-2] == "yes" and rows[1].split(" | ")[-2] == "**no**"
+    assert rows[0].split(" | ")[-3] == "yes" and rows[1].split(" | ")[-3] == "**no**"
+    # the work of each step against the model's FLOPs: checkpoint's forward again, chunked_ce's projection again
+    compute = [float(r.split(" | ")[-2].rstrip("x")) for r in rows]
+    assert compute[0] > 1.3 and compute[1] == 1.0, compute
 
 
 def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
@@ -204,7 +244,7 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     assert plan.main(["-m", "plan.gpu_gb=0.5,2", *tiny]) == 0
     out = capsys.readouterr().out
     rows = [line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ") and not line.startswith("| job")]
-    assert [(r[0], r[-2]) for r in rows] == [("none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
+    assert [(r[0], r[-3]) for r in rows] == [("none plan.gpu_gb=0.5", "**no** (0.5 GB)"),
                                              ("none plan.gpu_gb=2", "yes (2 GB)")]
     assert "| fits plan.gpu_gb |" in out and "worst-case batch: 201 source / 201 target positions per pair" in out
     # two equal jobs are two jobs of train.py -m, numbered 0 and 1 (both were numbered 0)
@@ -367,6 +407,7 @@ def test_auto_fits_a_budget_the_plain_config_exceeds(fast_cfg, tmp_path, shared_
                                  "pairs": auto["worst_case"]["pairs"], "estimate_mb": auto["estimate_mb"]}
     assert auto["estimate_mb"] <= auto["usable_mb"] <= budget_gb * 1024
     assert summary["strategy"] == auto["chosen"] != "auto(none)"
+    assert "checkpoint" not in auto["chosen"] and auto["compute"] == pytest.approx(1.0, abs=0.01)  # none again
     assert summary["peak_memory_mb"] <= budget_gb * 1024  # the real run's tracked peak stays under the budget
     assert summary["batch_size"] == plain["batch_size"]  # the effective batch is what the config asked for
     assert summary["tgt_tokens"] == plain["tgt_tokens"]
@@ -650,4 +691,4 @@ def test_plan_checks_memory_autos_choice_against_its_budget(capsys):
     assert plan.main(["-m", "memory=auto", "memory.budget_gb=1,2", *sizes]) == 0  # a row each, against its own
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and line.split(" | ")[1].startswith("auto")]
-    assert len(rows) == 2 and {row.split(" | ")[-2] for row in rows} == {"yes (1 GB)", "yes (2 GB)"}
+    assert len(rows) == 2 and {row.split(" | ")[-3] for row in rows} == {"yes (1 GB)", "yes (2 GB)"}
