@@ -4,7 +4,8 @@
 
 For each configuration: one optimizer step to create Adam's state, one tracked step whose peak tensor memory is
 split into parameters, gradients, optimizer state, activations, logits and backward temporaries (src/memory.py),
-and three untracked steps whose median time is reported. On CUDA the allocator's max allocated and reserved are
+and whose FLOPs are counted (src/flops.py ``FlopCount``, recomputation included) against the model's FLOPs of its
+micro-batches (``compute``), and three untracked steps whose median time is reported. On CUDA the allocator's max allocated and reserved are
 recorded too.
 Writes results.json, results.md and memory.png next to this file (or into --out).
 
@@ -35,6 +36,7 @@ from src.data.corpus import load_multi30k  # noqa: E402
 from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.fileio import atomic_path, write_json, write_text  # noqa: E402
+from src.flops import FlopCount  # noqa: E402
 from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
@@ -94,7 +96,9 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tracker = tracked_step(trainer, batches, device.type)
+    with FlopCount() as counted:  # the step's work, recomputation included (as plan.py counts it)
+        tracker = tracked_step(trainer, batches, device.type)
+    model_flops = sum(args.training_flops(len(b), b.src.size(1), b.tgt_out.size(1)) for b in batches)
     row = {
         "config": label,
         "vocabulary": vocab,
@@ -105,6 +109,8 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
         "parameters": model.num_parameters(),
         "peak_mb": round(tracker.peak / 2**20, 1),
         **{f"{k}_mb": round(tracker.peak_by_category.get(k, 0) / 2**20, 1) for k in CATEGORIES},
+        # against the model's FLOPs of the padded micro-batches: chunked_ce skips padding, checkpoint recomputes
+        "compute": round(counted.total / model_flops, 3),
     }
     if device.type == "cuda":
         row["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
@@ -126,7 +132,7 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
 
 def write_table(rows: list[dict], path: Path, header: str) -> None:
     cols = ["config", "vocabulary", "pairs", "peak_mb", *[f"{k}_mb" for k in CATEGORIES], "step_s", "tokens_per_s",
-            "padding_ratio"]
+            "compute", "padding_ratio"]
     if any("cuda_max_allocated_mb" in r for r in rows):
         cols[4:4] = ["cuda_max_allocated_mb", "cuda_max_reserved_mb"]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
