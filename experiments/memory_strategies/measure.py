@@ -37,7 +37,7 @@ from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.fileio import atomic_path, write_json, write_text  # noqa: E402
 from src.flops import FlopCount  # noqa: E402
-from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, tracked_step  # noqa: E402
+from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, keep_freed_host_memory, tracked_step  # noqa: E402
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
 from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
@@ -177,6 +177,8 @@ def main() -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit(f"error: --device {args.device}: no CUDA device is visible here; measure on the CPU with --device cpu")
     device = torch.device(args.device)
+    if device.type == "cpu":  # as a run does (trainer.reuse_host_memory, the default): without it, each step's
+        keep_freed_host_memory()  # fresh pages cost time in proportion to the memory a strategy takes
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if device.type == "cpu" else f"_{device.type}"
