@@ -27,7 +27,6 @@ def matmul_rate(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int 
     return 2 * n**3 * repeats / (time.perf_counter() - start)
 
 
-
 class FlopCount(TorchDispatchMode):
     """The FLOPs of the matrix products run under it, ``total``, by PyTorch's formulas (``FlopCounterMode``'s: 2
     per multiply-add), the CPU's fused attention kernel counted as CUDA's is: forward, and backward with the scores
@@ -48,7 +47,7 @@ class FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if (formula := self.formulas.get(func._overloadpacket)) is not None:
+        if (formula := self.formulas.get(getattr(func, "_overloadpacket", None))) is not None:
             self.total += formula(*args, **kwargs, out_val=out)
         return out
 

@@ -125,7 +125,7 @@ class Estimate:
     shape: StepShape
     seconds: float  # how long the estimate took
     workspace: int = 0  # cuBLAS's workspaces, planned for CUDA: allocated beside the tensors (``cublas_workspaces``)
-    flops: int = 0  # the step's work, all its micro-batches, as ``flops.FlopCount`` counts it: recomputation in
+    flops: int = 0  # the step's work, all its micro-batches, as ``flops.FlopCount`` counts it: recomputed too
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
 
     @property
