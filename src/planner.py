@@ -125,7 +125,9 @@ class Estimate:
     shape: StepShape
     seconds: float  # how long the estimate took
     workspace: int = 0  # cuBLAS's workspaces, planned for CUDA: allocated beside the tensors (``cublas_workspaces``)
-    flops: int = 0  # the step's work, all its micro-batches, as ``flops.FlopCount`` counts it: recomputed too
+    # the planned step's work, every micro-batch at the shape's size (a step of 5 pairs in 2 is planned as 3 + 3), as
+    flops: int = 0  # ``flops.FlopCount`` counts it, recomputation included; with a mixed trainer.attention on
+    # CUDA, planned as math throughout, the fused calls' scores computed again in backward are not in it (under 1%)
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
 
     @property
