@@ -40,9 +40,11 @@ class FlopCount(TorchDispatchMode):
         super().__init__()
         self.total = 0
         aten = torch.ops.aten
-        self.formulas = {**flop_registry,
-                         aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_attention),
-                         aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_cpu_attention_backward)}
+        self.formulas = {
+            **flop_registry,
+            aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(_cpu_attention),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(_cpu_attention_backward),
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

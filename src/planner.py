@@ -125,9 +125,10 @@ class Estimate:
     shape: StepShape
     seconds: float  # how long the estimate took
     workspace: int = 0  # cuBLAS's workspaces, planned for CUDA: allocated beside the tensors (``cublas_workspaces``)
-    # the planned step's work, every micro-batch at the shape's size (a step of 5 pairs in 2 is planned as 3 + 3), as
-    flops: int = 0  # ``flops.FlopCount`` counts it, recomputation included; with a mixed trainer.attention on
-    # CUDA, planned as math throughout, the fused calls' scores computed again in backward are not in it (under 1%)
+    # The planned step's work as ``flops.FlopCount`` counts it, recomputation included, every micro-batch at the
+    # shape's size (a step of 5 pairs in 2 is planned as 3 + 3); with a mixed trainer.attention on CUDA, planned as
+    # math throughout, the fused calls' scores computed again in backward are not in it (under 1%).
+    flops: int = 0
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
 
     @property
@@ -206,8 +207,8 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
                   attention=None) -> Estimate:
     """The peak memory of one training step of ``shape`` for this model and strategy, on fake tensors, as it
     runs on ``device`` (``cuda``: attention in a fused kernel, unless ``attention``, the run's trainer.attention,
-    leaves a call to math: ``kernels.planned_attention``); with ``world_size`` ranks, one rank's: memory=fsdp's share (``shard_estimate``), or under DDP
-    with its gradient buckets (``with_ddp_buckets``)."""
+    leaves a call to math: ``kernels.planned_attention``); with ``world_size`` ranks, one rank's: memory=fsdp's
+    share (``shard_estimate``), or under DDP with its gradient buckets (``with_ddp_buckets``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_device(device)

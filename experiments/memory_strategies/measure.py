@@ -5,8 +5,8 @@
 For each configuration: one optimizer step to create Adam's state, one tracked step whose peak tensor memory is
 split into parameters, gradients, optimizer state, activations, logits and backward temporaries (src/memory.py),
 and whose FLOPs are counted (src/flops.py ``FlopCount``, recomputation included) against the model's FLOPs of its
-micro-batches (``compute``), and three untracked steps whose median time is reported. On CUDA the allocator's max allocated and reserved are
-recorded too.
+micro-batches (``compute``), and three untracked steps whose median time is reported. On CUDA the allocator's max
+allocated and reserved are recorded too.
 Writes results.json, results.md and memory.png next to this file (or into --out).
 
 The batch: 128 pairs drawn with a fixed seed from Multi30k's training split (de->en, spaCy words, min_freq 2), so

@@ -5,7 +5,8 @@
 
 For each configuration of src.planner.VALIDATION_CASES (tiny, small and base models; word and XLM-R-size
 vocabularies; several strategies) and settings of trainer.attention (attention_cases), the planner's estimate on
-fake tensors for that device next to a real step of the same batch; beside it, the plan for the other device (cuda: attention in fused kernels; cpu: as the CPU runs it).
+fake tensors for that device next to a real step of the same batch; beside it, the plan for the other device
+(cuda: attention in fused kernels; cpu: as the CPU runs it).
 On CUDA also the README's classic case (src.planner.CLASSIC_CASES), too large for a CPU check; the tracker's peak
 of the same step beside the allocator's (tensors only: the difference is what CUDA allocates besides tensors), and,
 first, what the allocator keeps after a process's first matrix products (``workspace_probe``: cuBLAS's workspaces).
