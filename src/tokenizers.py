@@ -12,6 +12,7 @@ token as ``UNK_TEXT`` by both tokenizers: one word that matches no reference wor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -339,14 +340,23 @@ class SpacyCodec(Codec):
 
 
 class HFCodec(Codec):
-    """A Hugging Face tokenizer (XLM-R's sentencepiece model), loaded by hub name or local directory."""
+    """A Hugging Face tokenizer (XLM-R's sentencepiece model), loaded by hub name or local directory.
+
+    A hub name already in Hugging Face's cache is loaded from there without a request: online, the hub would only
+    be asked whether the files changed, and on a machine without network (a cluster's compute node) each request is
+    retried for about 25 s before the cache is used, minutes a run. A name not in the cache is downloaded."""
 
     def __init__(self, name_or_path: str):
         from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
 
         local = check_tokenizer_path(name_or_path)
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(local) if local else name_or_path)
+            self.tok = None
+            if local is None:
+                with contextlib.suppress(OSError, ValueError):  # not in the cache, or not all of it: ask the hub
+                    self.tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+            if self.tok is None:
+                self.tok = AutoTokenizer.from_pretrained(str(local) if local else name_or_path)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if local:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,23 @@ def test_xlmr_tokenizer_loads_from_a_local_directory(xlmr_dir, tmp_path):
     assert len(same_size) == len(src) and same_size.tok.convert_ids_to_tokens(list(range(len(src)))) != \
         src.tok.convert_ids_to_tokens(list(range(len(src))))
     assert same_size.vocab_digest() != src.vocab_digest()
+
+
+def test_a_hub_name_in_the_cache_loads_from_it_without_asking_the_hub(xlmr_dir, tmp_path):
+    """A tokenizer downloaded once is loaded from Hugging Face's cache with the hub not asked, as on a compute node
+    without network, where each request is retried for about 25 s before the cache is used (minutes a run)."""
+    from transformers import XLMRobertaConfig
+
+    snapshot = tmp_path / "hub" / "models--xlm-roberta-base" / "snapshots" / ("0" * 40)  # the cache's layout
+    shutil.copytree(xlmr_dir, snapshot)
+    XLMRobertaConfig(vocab_size=len(HFCodec(str(xlmr_dir)))).save_pretrained(snapshot)  # a download holds it too
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    load = run_cli("-c", "from src.tokenizers import HFCodec; print(HFCodec('xlm-roberta-base').vocab_digest())",
+                   env_extra={"HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert load.returncode == 0, load.stderr
+    assert load.stdout.split() == [HFCodec(str(xlmr_dir)).vocab_digest()]
+    assert "requesting" not in load.stderr  # the hub's warning for each failed request, and each retry
 
 
 def test_xlmr_encodes_special_tokens_written_in_the_text_as_unk(xlmr_dir, caplog):
