@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from src import fileio
+from src import tokenizers as tokenizers_mod
 from src.data import corpus as corpus_mod
 from src.data import encode as encode_mod
 from src.data.corpus import (
@@ -363,6 +364,31 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     monkeypatch.undo()
     other = encode_corpus(corpus, {"name": "spacy", "min_freq": 2}, tmp_path)
     assert not other.from_cache and other.cache_file != first.cache_file
+
+
+def test_a_cached_corpus_whose_tokenizer_cannot_be_loaded_says_so_once(tmp_path, monkeypatch, xlmr_dir):
+    """Not "ignoring unreadable cache" and tokenizing again, which needs the same tokenizer: each attempt at a hub
+    name without network waits out the hub's retries (about 50 s), and the error would come after three."""
+    corpus = load_synthetic("de", "en", {"train": 50, "valid": 5, "test": 5}, 1, LengthDistribution())
+    spec = {"name": "xlmr", "name_or_path": "xlm-roberta-base"}  # the hub name, here resolved to xlmr_dir
+    real, calls = tokenizers_mod.HFCodec, []
+
+    def from_the_hub(name):
+        codec = real(str(xlmr_dir))
+        codec.name_or_path = name  # what the cached state names
+        return codec
+
+    monkeypatch.setattr(tokenizers_mod, "HFCodec", from_the_hub)
+    encode_corpus(corpus, spec, tmp_path)
+
+    def unreachable(name):
+        calls.append(name)
+        raise ConfigError(f"tokenizer.name_or_path={name}: cannot load a tokenizer")
+
+    monkeypatch.setattr(tokenizers_mod, "HFCodec", unreachable)
+    with pytest.raises(ConfigError, match="cannot load a tokenizer"):
+        encode_corpus(corpus, spec, tmp_path)
+    assert calls == ["xlm-roberta-base"]
 
 
 @pytest.mark.parametrize("name", ["spacy", "xlmr"])

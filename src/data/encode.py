@@ -211,7 +211,7 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
 
 def _cached(cache_file: Path, tokenizer: dict, quiet: bool = False) -> EncodedCorpus | None:
     """The encoded corpus of ``cache_file``, or None where there is none to use (a corrupt or outdated file is
-    rebuilt, not fatal). ``quiet``: a second look, whose reasons were logged by the first."""
+    rebuilt, not fatal; a tokenizer that cannot be loaded is the user's error, said once). ``quiet``: a second look, whose reasons were logged by the first."""
     if not cache_file.is_file():
         return None
     try:
@@ -222,6 +222,8 @@ def _cached(cache_file: Path, tokenizer: dict, quiet: bool = False) -> EncodedCo
             return _from_blob(blob, cache_file, from_cache=True)
         if not quiet:
             log.info("encoding the corpus again: %s since %s was written", ", ".join(changed), cache_file)
+    except UserError:  # its tokenizer cannot be loaded (a hub name offline): encoding again would need it too
+        raise
     except Exception as e:
         if not quiet:
             log.warning("ignoring unreadable cache %s (%s)", cache_file, e)
