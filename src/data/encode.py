@@ -211,7 +211,8 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
 
 def _cached(cache_file: Path, tokenizer: dict, quiet: bool = False) -> EncodedCorpus | None:
     """The encoded corpus of ``cache_file``, or None where there is none to use (a corrupt or outdated file is
-    rebuilt, not fatal; a tokenizer that cannot be loaded is the user's error, said once). ``quiet``: a second look, whose reasons were logged by the first."""
+    rebuilt, not fatal; a tokenizer that cannot be loaded is the user's error, said once). ``quiet``: a second
+    look, whose reasons were logged by the first."""
     if not cache_file.is_file():
         return None
     try:
