@@ -18,6 +18,9 @@ from .kernels import attention_names, deterministic_algorithms, planned_attentio
 from .memory import MemoryStrategy, memory_strategy
 from .settings import check_settings
 
+# the four sizes that, all given, make plan.py plan without reading the data
+PLAN_SIZES = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
+
 
 def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
                       device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
@@ -63,7 +66,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
     check_settings(conf)  # before the data is read
-    keys = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
+    keys = PLAN_SIZES
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
     if not all(plan.get(k) for k in keys):

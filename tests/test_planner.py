@@ -350,7 +350,8 @@ def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
 def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     """plan.py -m plans the jobs train.py -m runs: a preset's own sweep (experiment=memory_sweep's eight jobs; it
     planned one) and a glob over a group's options (a traceback: "ConfigLoader is not set"). A required setting
-    left out (experiment=paper_base's corpus files) is train.py's one line, not MissingMandatoryValue's traceback."""
+    left out (experiment=paper_base's corpus files) is train.py's one line, not MissingMandatoryValue's traceback,
+    and not asked for where plan.* gives every size the files would."""
     import plan
 
     sizes = ["plan.src_len=20", "plan.tgt_len=20", "plan.src_vocab=100", "plan.tgt_vocab=100"]
@@ -365,6 +366,8 @@ def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     assert capsys.readouterr().err.splitlines() == [  # every missing key at once
         f"error: data.{split}_prefix is required: add data.{split}_prefix=... to the command line"
         for split in ("train", "valid", "test")]
+    assert plan.main(["experiment=paper_base", *sizes]) == 0  # all four sizes given: the files are not needed
+    assert "peak" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("memory", ["tokens", "auto"])
