@@ -536,7 +536,8 @@ class TrainingRun:
         # notebook, or where TQDM_MININTERVAL sets it.
         self.bar_live = ("TQDM_MININTERVAL" in os.environ or "ipykernel" in sys.modules
                          or (sys.stderr is not None and sys.stderr.isatty()))
-        self.bar = tqdm(total=total_steps, initial=self.p.step, disable=not self.tr.get("progress", True),
+        self.bar = tqdm(total=total_steps, initial=self.p.step,  # one bar: rank 0's, as one rank logs
+                        disable=not (self.tr.get("progress", True) and self.world.main),
                         desc=self.strategy.label, dynamic_ncols=True,
                         **({} if self.bar_live else {"mininterval": 30.0, "maxinterval": 30.0}))
 

@@ -119,10 +119,11 @@ def test_torchrun_train_py_writes_one_run_from_rank_0_and_out_of_memory_on_one_r
     proc = torchrun(str(ROOT / "train.py"), *FAST, "data.train_size=200", "trainer.max_steps=4", "trainer.eval_every=4",
                     "memory=accum", "memory.oom_retries=2", "fault.kind=oom", "fault.at_step=2", "fault.rank=1",
                     "logger=none", f"hydra.run.dir={run}", f"paths.cache_dir={shared_cache}", "trainer.peak_tflops=0.5",
-                    cwd=tmp_path)
+                    "trainer.progress=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 4
+    assert proc.stderr.count("| 4/4 [") == 1  # one progress bar, rank 0's (drawn at its start and at its end)
     assert summary["test_bleu"] is not None and (run / "checkpoints" / "best.pt").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [2, 4]  # one row per logged window, from rank 0 only
