@@ -19,6 +19,7 @@ W&B is imported only when used. Its mode (online | offline | disabled) comes fro
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -102,10 +103,16 @@ class WandbLogger:
 
         self.samples = int(settings.get("samples") or 0)
         self._logged = False
-        mode = os.environ.get("WANDB_MODE") or settings.get("mode", "offline")
-        source = "WANDB_MODE" if os.environ.get("WANDB_MODE") else "logger.wandb.mode"
-        if mode not in WANDB_MODES:
-            raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}")
+        # WANDB_MODE wins; the setting is checked too, or its typo would show only on a machine without the variable
+        modes = [("logger.wandb.mode", settings.get("mode", "offline"))]
+        if os.environ.get("WANDB_MODE"):
+            modes.append(("WANDB_MODE", os.environ["WANDB_MODE"]))
+        for source, mode in modes:
+            if mode not in WANDB_MODES:
+                close = difflib.get_close_matches(str(mode), WANDB_MODES[:3], n=1)
+                raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}"
+                                  + (f"; did you mean {close[0]}?" if close else ""))
+        source, mode = modes[-1]
         tags = settings.get("tags") or []
         tags = [tags] if isinstance(tags, str) else [str(t) for t in tags]  # logger.wandb.tags=memory: one tag
         for tag in tags:  # W&B's limit, said before the run starts rather than in its validation traceback

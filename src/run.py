@@ -214,7 +214,8 @@ def train(cfg: DictConfig) -> dict:
             try:
                 logger = start_logger(resuming=False)
             except Exception as e:  # the logger's own settings, say: summary.json has the failure
-                log.warning("the failure is in summary.json only: no logger (%s: %s)", type(e).__name__, e)
+                if str(e) != summary.get("error"):  # (the run's own error is said once, by whoever raises it)
+                    log.warning("the failure is in summary.json only: no logger (%s: %s)", type(e).__name__, e)
         if logger is not None:
             logger.finish(summary)
         held.close()

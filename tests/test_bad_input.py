@@ -112,6 +112,8 @@ RUN = [
     ("more threads than the machine can run", ["trainer.threads=100000"], "trainer.threads=100000: this machine has"),
     ("a W&B tag longer than 64 characters", ["logger=wandb", f"tags=[{'x' * 65}]"],
      f"tags=['{'x' * 65}']: a W&B tag has 1 to 64 characters; '{'x' * 65}' has 65"),
+    ("a W&B mode mistyped (WANDB_MODE set too)", ["logger=wandb", "logger.wandb.mode=onlne"],
+     "logger.wandb.mode=onlne: expected one of online, offline, disabled, shared, dryrun, run; did you mean online?"),
     ("a W&B project name W&B refuses", ["logger=wandb", "logger.wandb.project=my/proj"],
      "logger.wandb.project=my/proj: Invalid project name 'my/proj': cannot contain characters"),
     ("a fault injected at step 0", ["fault.kind=error", "fault.at_step=0"], "fault.at_step=0: must be an integer >= 1"),
@@ -434,6 +436,9 @@ def test_train_py_shows_a_line_for_each_problem_and_no_traceback(tmp_path):
             "'MT_NOT_SET' not found\"") in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["overrides"] == ["trainer.max_steps=${oc.env:MT_NOT_SET}"]  # as typed
+    # the logger's own setting, said once (not again as "the failure is in summary.json only: no logger")
+    proc = run_cli("train.py", "logger=wandb", "logger.wandb.mode=onlne", "hydra.run.dir=" + str(tmp_path / "typo"))
+    assert proc.returncode == 1 and (proc.stdout + proc.stderr).count("onlne") == 1, proc.stdout + proc.stderr
     # Hydra's disabled job logging turns the run's loggers off: the error printed nothing
     proc = run_cli("train.py", "hydra/job_logging=disabled", "ckpt_path=/nowhere/best.pt",
                    "hydra.run.dir=" + str(tmp_path / "quiet"))

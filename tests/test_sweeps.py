@@ -582,8 +582,13 @@ def test_wandb_modes(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
         RunLogger(tmp_path / "online", {"wandb": {"mode": "online"}}, {"a": 1}, name="none")
-    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, shared, dryrun, run$"):
+    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, "
+                                          r"shared, dryrun, run; did you mean offline\?$"):
         RunLogger(tmp_path / "typo", {"wandb": {"mode": "ofline"}}, {"a": 1}, name="none")
+    monkeypatch.setenv("WANDB_MODE", "disabeld")  # the variable wins over the setting, and is checked as well
+    with pytest.raises(ConfigError, match=r"^WANDB_MODE=disabeld: expected one of .*; did you mean disabled\?$"):
+        RunLogger(tmp_path / "typo", {"wandb": {"mode": "offline"}}, {"a": 1}, name="none")
+    monkeypatch.delenv("WANDB_MODE")
     # conf/logger/csv.yaml setting logger.csv, with no logger behind it: refused by name (it was ignored), with
     # settings or without (`csv:`, null), before W&B starts
     for csv in ({"path": "metrics.csv"}, None, {}):
