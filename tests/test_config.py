@@ -178,6 +178,9 @@ def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_p
     import plan
 
     assert plan.main(["-m", searchpath, "experiment=mine"]) == 1
+    sizes = ["plan.src_len=20", "plan.tgt_len=20", "plan.src_vocab=100", "plan.tgt_vocab=100"]
+    for flag in (["--config-dir", str(tmp_path)], ["-cd", str(tmp_path)]):  # plan.py takes train.py's flag too
+        assert plan.main([*flag, "model=medium", *sizes]) == 0
     fast = [o for o in FAST if not o.startswith("model=")]
     proc = run_cli("train.py", searchpath, *fast, "model=typo", f"hydra.run.dir={tmp_path / 'run'}",
                    f"paths.cache_dir={tmp_path / 'cache'}")
