@@ -65,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--output {args.output}: is the {flag} file; the translations would replace it")
         device = resolve_device(args.device, key="--device ")
         files = [f for p in args.checkpoint for f in checkpoint_files(Path(p).expanduser().resolve())]
-        model, src_codec, tgt_codec, ckpt = load_translator(files, device, args.tokenizer)
-        print("checkpoints: " + ", ".join(map(str, files)) + (" (weights averaged)" if len(files) > 1 else ""),
-              file=sys.stderr)
-        decoding = run_decoding(ckpt, args)
-        print("decoding: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in decoding.items()), file=sys.stderr)
+        # the text before the model: a missing or mismatched file is said before seconds of loading a checkpoint
         if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
             print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
         sources = read_lines(args.input, blank_ok=True)
@@ -79,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         if references is not None and (blank := [i for i, r in enumerate(references, 1) if not r.strip()]):
             print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
                   "each scored as a reference of no words", file=sys.stderr)
+        model, src_codec, tgt_codec, ckpt = load_translator(files, device, args.tokenizer)
+        print("checkpoints: " + ", ".join(map(str, files)) + (" (weights averaged)" if len(files) > 1 else ""),
+              file=sys.stderr)
+        decoding = run_decoding(ckpt, args)
+        print("decoding: " + ", ".join(f"{k} {'none' if v is None else v}" for k, v in decoding.items()), file=sys.stderr)
         hyps = decode(model, sources, src_codec, tgt_codec, device, decoding, args.max_positions,
                       source_name="standard input" if args.input == "-" else args.input)
         text = "".join(h + "\n" for h in hyps)

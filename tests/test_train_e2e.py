@@ -331,6 +331,13 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
         return capsys.readouterr().err.splitlines()[-1]
 
     assert error(str(bare)).startswith(f"error: {bare}: not a checkpoint written by train.py")
+    with monkeypatch.context() as m:  # the text is read first: a bad file is said before the checkpoint loads
+        m.setattr("src.checkpoint.load_translator", lambda *a, **k: pytest.fail("the checkpoint loaded first"))
+        assert translate.main([str(ckpts), "--input", str(tmp_path / "missing.de")]) == 1
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {tmp_path / 'missing.de'}")
+        (tmp_path / "one.en").write_text("a dog\n")
+        assert translate.main([str(ckpts), "--input", str(source), "--reference", str(tmp_path / "one.en")]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == f"error: {source} has 3 lines but {tmp_path / 'one.en'} has 1"
     long = tmp_path / "long.de"  # refused by its line before decoding (decoding it could exhaust the memory)
     long.write_text("ein Hund\n" + "Hund " * 1100 + "\n")
     assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu"]) == 1
