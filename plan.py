@@ -55,7 +55,8 @@ def resolved(overrides: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="python plan.py [-m] [--config-dir DIR] [overrides ...]")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     usage="python plan.py [-m] [--config-dir DIR] [overrides ...]")
     parser.add_argument("-m", "--multirun", action="store_true", help="sweep the overrides' lists, one row each")
     parser.add_argument("-cd", "--config-dir", help="a folder laid out as conf/ with options of one's own, as "
                         "train.py's --config-dir (the same as hydra.searchpath=[file:///that/folder])")

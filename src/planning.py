@@ -66,17 +66,17 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
     check_settings(conf)  # before the data is read
-    keys = PLAN_SIZES
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
-    if not all(plan.get(k) for k in keys):
+    if not all(plan.get(k) for k in PLAN_SIZES):
         try:
             _, encoded, train_split, _ = prepare_data(conf, strategy, download_ok=False)
         except DataError as e:
             raise DataError(f"{e} (or give plan.src_len, plan.tgt_len, plan.src_vocab and plan.tgt_vocab)") from None
-        measured = dict(zip(keys, (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))))
+        sizes = (*planner.longest_pair(train_split), len(encoded.src_codec), len(encoded.tgt_codec))
+        measured = dict(zip(PLAN_SIZES, sizes))
         shared = encoded.src_codec is encoded.tgt_codec
-    src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in keys)
+    src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in PLAN_SIZES)
     if strategy.max_src_len:
         src_len = min(src_len, strategy.max_src_len)
     if strategy.max_tgt_len:
@@ -90,7 +90,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
                       pad_id=1)  # any id: the estimate does not depend on it
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
-            "from_data": sorted(k for k in keys if not plan.get(k)), "device": device}
+            "from_data": sorted(k for k in PLAN_SIZES if not plan.get(k)), "device": device}
     world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
     if world_size > 1:
         info["world_size"] = world_size
