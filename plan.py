@@ -42,13 +42,14 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 def resolved(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
-    from src.planning import PLAN_SIZES
+    from src.data.corpus import SPLITS
+    from src.planning import sizes_given
     from src.settings import resolve_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[*overrides, "paths.output_dir=."])
-    if all(OmegaConf.select(cfg, f"plan.{key}") for key in PLAN_SIZES):  # the data is not read: no files needed
-        for split in ("train", "valid", "test"):
+    if sizes_given(cfg.get("plan")):  # the data is not read: no files needed
+        for split in SPLITS:
             if OmegaConf.is_missing(cfg.data, f"{split}_prefix"):
                 cfg.data[f"{split}_prefix"] = None
     return resolve_config(cfg)  # else data=files without its paths: one line, as train.py says it

@@ -22,6 +22,11 @@ from .settings import check_settings
 PLAN_SIZES = ("src_len", "tgt_len", "src_vocab", "tgt_vocab")
 
 
+def sizes_given(plan) -> bool:
+    """Whether the plan group (a dict or Hydra's DictConfig) gives all of PLAN_SIZES: then no data is read."""
+    return all((plan or {}).get(key) for key in PLAN_SIZES)
+
+
 def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorpus, train_split: EncodedSplit,
                       device: torch.device, world_size: int = 1) -> tuple[MemoryStrategy, dict]:
     """memory=auto: the planner's choice for ``memory.budget_gb`` on this data (src/planner.py), for one of this
@@ -68,7 +73,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     check_settings(conf)  # before the data is read
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
-    if not all(plan.get(k) for k in PLAN_SIZES):
+    if not sizes_given(plan):
         try:
             _, encoded, train_split, _ = prepare_data(conf, strategy, download_ok=False)
         except DataError as e:
