@@ -43,11 +43,15 @@ class SweepStatus(Callback):
         except DataError as e:  # no job wrote anything: every one of them failed to start
             outcome.failed = [str(e)]
         else:
-            outcome.failed = [f"job {job.name} ({job.path}): {job.status or 'no summary.json'}"
+            outcome.failed = [f"job {job.name} ({job.path}): {job.status or _no_summary(job)}"
                               + (": " + error.replace("\n", "\n      ")
                                  if (error := job.summary.get("error") or job.log_error) else "")
                               for job in jobs if job.status != "completed"]
         outcome.fail_on_error = bool(config.get("fail_on_error"))
+
+
+def _no_summary(job) -> str:
+    return "no summary.json of this launch" if job.earlier_summary else "no summary.json"
 
 
 def write_sweep_report(sweep_dir: str) -> None:

@@ -40,6 +40,7 @@ class Job:
     metrics: list[dict] = field(default_factory=list)
     varying: frozenset[str] = frozenset()  # its overrides that other jobs of the sweep do not share
     log_error: str | None = None  # without a summary: the last error its log (Hydra's train.log) recorded
+    earlier_summary: bool = False  # a sweep launched again: its summary.json is the earlier launch's, left out
 
     @property
     def status(self) -> str | None:
@@ -82,11 +83,14 @@ class Job:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON (line {e.lineno}): {e.msg}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: a JSON {type(data).__name__}, not the object a run writes")
+    return data
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -139,8 +143,9 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
     jobs = []
     for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
         summary = _read_json(path / "summary.json")
-        if launched is not None and summary and _newest(path, "summary.json") < launched:
-            summary = {}  # the earlier launch's: this one was killed before it wrote its own
+        earlier_summary = launched is not None and bool(summary) and _newest(path, "summary.json") < launched
+        if earlier_summary:
+            summary = {}  # the earlier launch's: this one was refused, or killed, before it wrote its own
         metrics = _read_jsonl(path / "metrics.jsonl")
         if launched is not None and metrics and _newest(path, "metrics.jsonl") < launched:
             metrics = []  # the earlier launch's rows: this job logged none
@@ -148,7 +153,8 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
         config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
         # e.g. a resume refused before the run began, which leaves the directory as it was
         log_error = _last_logged_error(_job_log(path), launched) if not summary else None
-        jobs.append(Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error))
+        jobs.append(Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error,
+                        earlier_summary=earlier_summary))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:
@@ -225,6 +231,8 @@ def _status(job: Job) -> str:
     text = STATUS_TEXT.get(job.status, job.status)
     if job.status is None and job.log_error:  # it stopped before its run began, leaving its directory as it was
         text = "**no summary.json**; its log's last error"
+    if job.earlier_summary:
+        text = text.replace("**no summary.json**", "**no summary.json of this launch** (the earlier launch's kept)")
     scored = job.summary.get("valid_bleu") is not None or job.summary.get("test_bleu") is not None
     if scored and (scope := evaluated_on(job.summary)):  # (a job that failed before scoring has none)
         text += f"; BLEU {scope}"
@@ -360,6 +368,9 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
     """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
     jobs = load_sweep(sweep_dir, latest_launch)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
+    if all(j.earlier_summary for j in jobs) and (out / "report.md").exists():
+        raise DataError(f"{sweep_dir}: no job of this launch wrote a summary.json (each earlier one is kept), so "
+                        f"{out / 'report.md'} stays the earlier launch's report")
     if any(p.exists() and not p.is_dir() for p in (out, *out.parents)):
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)

@@ -215,11 +215,20 @@ def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tm
     jobs = load_sweep(sweep, latest_launch=True)
     assert [j.status for j in jobs] == [None, None] and [j.train_rows for j in jobs] == [[], []]
     rows = markdown_rows(write_report(sweep, latest_launch=True)[2])
-    assert f"**no summary.json**; its log's last error: {sweep}/0/checkpoints holds an earlier run's" in rows[0]
+    assert (f"**no summary.json of this launch** (the earlier launch's kept); its log's last error: {sweep}/0/"
+            "checkpoints holds an earlier run's") in rows[0]
     assert "(still running, or killed)" in rows[1] and "earlier launch's error" not in rows[1]
     SweepStatus().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
     failed, outcome.failed = outcome.failed, None  # (this process's state: no sweep ran)
-    assert failed[0].endswith("holds an earlier run's checkpoints") and failed[1].endswith("no summary.json")
+    assert failed[0].endswith("holds an earlier run's checkpoints")
+    assert failed[1].endswith("no summary.json of this launch")
+    # the earlier launch's report stays: this launch's jobs wrote no summary over theirs (it blanked it)
+    (sweep / "report.md").write_text("the earlier launch's report")
+    with pytest.raises(DataError, match="no job of this launch wrote a summary.json .* stays the earlier launch's"):
+        write_report(sweep, latest_launch=True)
+    assert (sweep / "report.md").read_text() == "the earlier launch's report"
+    assert len(markdown_rows(write_report(sweep)[2])) == 2  # report.py: the jobs' newest files, both completed
+    assert "completed" in (sweep / "report.md").read_text()
 
 
 def test_report_shows_a_job_killed_before_its_summary(tmp_path):
@@ -317,6 +326,9 @@ def test_report_names_what_it_cannot_read(tmp_path):
     (tmp_path / "0").mkdir()
     (tmp_path / "0" / "summary.json").write_text("{not json")
     with pytest.raises(DataError, match=r"0/summary.json: not valid JSON \(line 1\)"):
+        load_sweep(tmp_path)
+    (tmp_path / "0" / "summary.json").write_text("[]")
+    with pytest.raises(DataError, match=r"0/summary.json: a JSON list, not the object a run writes"):
         load_sweep(tmp_path)
 
 
@@ -654,7 +666,7 @@ def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path
     assert [(j.name, j.status) for j in jobs] == [("0", "completed"), ("1", None)]
     assert "1 job directory of an earlier launch of the sweep left out (2)" in caplog.text
     SweepStatus().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
-    assert outcome.failed == [f"job 1 ({sweep / '1'}): no summary.json"]
+    assert outcome.failed == [f"job 1 ({sweep / '1'}): no summary.json of this launch"]
     outcome.failed = None
     os.utime(sweep / "multirun.yaml")  # launched again now: none of its jobs has started
     with pytest.raises(DataError, match="no job of the sweep's latest launch wrote anything"):
