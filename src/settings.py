@@ -188,7 +188,7 @@ def check_settings(conf: dict) -> None:
     check_model(conf["model"])
     check_optim(conf["optim"])
     check_data(conf["data"])
-    check_tokenizer(conf["tokenizer"])
+    check_tokenizer(conf["tokenizer"], (conf["data"].get("src_lang"), conf["data"].get("tgt_lang")))
     check_int("data.batch_size", conf["data"].get("batch_size"), 1)
     check_fault(conf.get("fault") or {})
     seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it

@@ -81,14 +81,18 @@ def spacy_tokenizer(lang: str, model: str | None = None):
     import spacy  # imported here: runs with tokenizer=xlmr do not need spaCy
 
     if model:
+        key = f"tokenizer.models.{lang}={model}"
+        if _looks_like_path(model):  # a pipeline written by nlp.to_disk (check_pipeline_dir)
+            check_pipeline_dir(key, model)
         try:
             return spacy.load(model).tokenizer
         except OSError:
             raise ConfigError(
-                f"tokenizer.models.{lang}={model}: spaCy pipeline not installed; install it if spaCy publishes "
-                f"one of that name (python -m spacy download {model}; not every language has one) or remove the key "
-                f"to use spacy.blank('{lang}')"
+                f"{key}: spaCy pipeline not installed; install it if spaCy publishes one of that name (python -m "
+                f"spacy download {model}; not every language has one) or remove the key to use spacy.blank('{lang}')"
             ) from None
+        except Exception as e:  # e.g. an installed package that is no pipeline
+            raise ConfigError(f"{key}: not a spaCy pipeline ({type(e).__name__}: {e})") from None
     try:
         return spacy.blank(lang).tokenizer
     except ImportError as e:
@@ -99,6 +103,21 @@ def spacy_tokenizer(lang: str, model: str | None = None):
         # a language whose tokenizer needs another package (th: PyThaiNLP, ja: SudachiPy, ...)
         install = f" ({SPACY_EXTRAS[lang]})" if lang in SPACY_EXTRAS else ""
         raise ConfigError(f"spaCy's '{lang}' tokenizer: {str(e).strip().splitlines()[0]}{install}") from None
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or Path(name).expanduser().is_dir()
+
+
+def check_pipeline_dir(key: str, name: str) -> None:
+    """A spaCy pipeline given as a directory: one that ``nlp.to_disk`` wrote (a run trained with it reads it
+    again to translate)."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {'not a' if path.exists() else 'no such'} directory; give a pipeline directory written by nlp.to_disk, or an "
+                          "installed pipeline's name (a run trained with a directory needs it to translate)")
+    if not (path / "config.cfg").is_file():
+        raise ConfigError(f"{key}: not a spaCy pipeline directory (no config.cfg); give one written by nlp.to_disk")
 
 
 # What spacy.blank(lang) needs besides spaCy, where its own message names no command
@@ -465,9 +484,9 @@ class TrimmedCodec(Codec):
 # ------------------------------------------------------------------------------------------------ building
 
 
-def check_tokenizer(spec: dict) -> None:
+def check_tokenizer(spec: dict, langs: Sequence[str] = ()) -> None:
     """The tokenizer group's settings, before the data is read (spaCy tokenizes in child processes, whose
-    errors would come back as their tracebacks)."""
+    errors would come back as their tracebacks); ``langs``: the run's source and target languages."""
     name = spec.get("name")
     if name == "spacy":
         check_int("tokenizer.min_freq", spec.get("min_freq"), 1)
@@ -479,6 +498,14 @@ def check_tokenizer(spec: dict) -> None:
                 isinstance(k, str) and isinstance(v, str) for k, v in models.items())):
             raise ConfigError(f"tokenizer.models={models}: expected a pipeline name per language, e.g. "
                               "+tokenizer.models.de=de_core_news_sm")
+        for lang, model in (models or {}).items():
+            if not model.strip():
+                raise ConfigError(f"tokenizer.models.{lang}: empty; give a pipeline's name or directory, or remove "
+                                  f"the key to use spacy.blank('{lang}')")
+            if _looks_like_path(model):
+                check_pipeline_dir(f"tokenizer.models.{lang}={model}", model)
+            if all(langs) and lang not in langs:  # (a preset may name pipelines of several language pairs)
+                log.warning("tokenizer.models.%s: not a language of this run (%s->%s), so not used", lang, *langs)
     elif name == "xlmr":
         if not isinstance(spec.get("name_or_path"), str) or not spec["name_or_path"]:
             raise ConfigError(f"tokenizer.name_or_path={spec.get('name_or_path')}: expected a hub name or a "

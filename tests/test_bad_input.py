@@ -116,6 +116,12 @@ RUN = [
      "logger.wandb.mode=onlne: expected one of online, offline, disabled, shared, dryrun, run; did you mean online?"),
     ("a W&B project name W&B refuses", ["logger=wandb", "logger.wandb.project=my/proj"],
      "logger.wandb.project=my/proj: Invalid project name 'my/proj': cannot contain characters"),
+    ("a vocabulary threshold above every word's count", ["tokenizer.min_freq=100000"],
+     "tokenizer.min_freq=100000: no de word of the training text is seen that often, so its vocabulary holds the "
+     "special tokens alone; lower it"),
+    ("a spaCy pipeline that is a file", ["+tokenizer.models.de={readme}"],
+     "tokenizer.models.de={readme}: not a directory; give a pipeline directory written by nlp.to_disk, or an "
+     "installed pipeline's name"),
     ("a fault injected at step 0", ["fault.kind=error", "fault.at_step=0"], "fault.at_step=0: must be an integer >= 1"),
     ("unknown resume setting", ["trainer.resume=yes"], "trainer.resume=yes: expected auto, never or null"),
     ("unknown non-finite policy", ["trainer.on_nonfinite=ignore"], "trainer.on_nonfinite=ignore: expected skip or stop"),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -294,6 +295,32 @@ def test_unknown_spacy_pipeline_says_how_to_fix():
     codec = SpacyCodec("de", list(SPECIALS), model="de_no_such_pipeline")
     with pytest.raises(ConfigError, match="tokenizer.models.de=de_no_such_pipeline"):
         codec.encode(["Hallo"])
+
+
+def test_a_spacy_pipeline_that_is_no_pipeline_is_named_in_one_line(tmp_path, caplog):
+    """+tokenizer.models.de=...: empty, a package that is no pipeline, a folder without config.cfg (whose files
+    were hashed for the cache key first) and a folder gone since training (translate.py) each get one line naming
+    the key; a language the run does not translate is said to be unused."""
+    import spacy
+
+    from src.tokenizers import check_tokenizer
+
+    spec = {"name": "spacy", "min_freq": 1, "max_vocab": None, "lowercase": False}
+    cases = {"": "tokenizer.models.de: empty; give a pipeline's name or directory",
+             str(tmp_path): f"tokenizer.models.de={tmp_path}: not a spaCy pipeline directory (no config.cfg)",
+             str(tmp_path / "gone"): f"tokenizer.models.de={tmp_path / 'gone'}: no such directory"}
+    for model, message in cases.items():
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            check_tokenizer({**spec, "models": {"de": model}}, ("de", "en"))
+    with pytest.raises(ConfigError, match=r"^tokenizer.models.de=pytest: not a spaCy pipeline \(\w+Error: "):
+        SpacyCodec("de", list(SPECIALS), model="pytest").encode(["Hallo"])
+    spacy.blank("de").to_disk(tmp_path / "de")
+    check_tokenizer({**spec, "models": {"de": str(tmp_path / "de"), "ge": "de_core_news_sm"}}, ("de", "en"))
+    assert "tokenizer.models.ge: not a language of this run (de->en), so not used" in caplog.text
+    assert SpacyCodec("de", list(SPECIALS), model=str(tmp_path / "de")).encode(["Hallo"])
+    (tmp_path / "de").rename(tmp_path / "moved")  # a run trained with it, translated after the folder moved
+    with pytest.raises(ConfigError, match=f"^tokenizer.models.de={re.escape(str(tmp_path / 'de'))}: no such dir"):
+        SpacyCodec("de", list(SPECIALS), model=str(tmp_path / "de")).encode(["Hallo"])
 
 
 @pytest.mark.skipif(multi30k_root() is None, reason="set MULTI30K_ROOT to the folder of the real Multi30k raw files")
