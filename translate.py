@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from src.data.corpus import read_lines
+from src.data.corpus import check_line_counts, read_lines
 from src.errors import UserError
 from src.fileio import write_text
 
@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
         sources = read_lines(args.input, blank_ok=True)
         references = read_lines(args.reference) if args.reference else None
-        if references is not None and len(references) != len(sources):
-            raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
+        if references is not None:
+            check_line_counts("standard input" if args.input == "-" else args.input, sources, args.reference,
+                              references)
         if references is not None and (blank := [i for i, r in enumerate(references, 1) if not r.strip()]):
             print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
                   "each scored as a reference of no words", file=sys.stderr)

@@ -485,7 +485,29 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
         return f"{key}: not there yet; add it with +: +{key}=..."
     if _model_reads(key):
         return f"{key}: the model option chosen does not set it (ModelArgs' default applies); set it with +{key}=..."
+    if others := _options_with_key(key):
+        group = key.partition(".")[0]
+        return (f"{key}: no such key in the {group} option chosen; it is a setting of "
+                f"{' and '.join(f'{group}={o}' for o in others)}")
     return f"{key}: no such key{_key_hint(key, overrides)}"
+
+
+def _options_with_key(key: str) -> list[str]:
+    """The options of a group whose file sets ``key`` (``data.train_size``: data=synthetic's)."""
+    import yaml
+
+    group, _, leaf = key.partition(".")
+    if not leaf or "." in leaf or not (CONF / group).is_dir():
+        return []
+    found = []
+    for option in _options(group):
+        text = (CONF / group / f"{option}.yaml").read_text(encoding="utf-8")
+        tree = yaml.safe_load(text) or {}
+        if "# @package _global_" in text:
+            tree = tree.get(group) or {}
+        if isinstance(tree, dict) and leaf in tree:
+            found.append(option)
+    return found
 
 
 def _model_reads(key: str) -> bool:

@@ -1,6 +1,7 @@
 """Every kind of bad input in docs/bad_input.md, tried: each gives one line naming the key, file or line and what
 to do, before training starts. The table in the docs is checked against these cases, row for row."""
 
+import gzip
 import importlib.util
 import json
 from pathlib import Path
@@ -27,6 +28,8 @@ COMMAND_LINE = [
     ("unknown option of a group", ["memory=amd"], "memory=amd: no such option; memory is one of accum, amp, auto"),
     ("unknown option in a list of a group's options", ["memory=[amp,acum]"],
      "memory=acum: no such option; memory is one of accum, amp, auto"),
+    ("a key of another option of the group", ["data=multi30k", "data.train_size=100"],
+     "data.train_size: no such key in the data option chosen; it is a setting of data=synthetic"),
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
@@ -186,6 +189,8 @@ CHECKED_WITH_THE_SETTINGS = {"a corpus size of null", "a vocabulary threshold of
 FILES = [
     ("missing corpus file", {"train.de": None}, "{data}/train.de: file not found (nor train.de.gz)"),
     ("empty corpus file", {"train.de": ""}, "{data}/train.de: file is empty"),
+    ("a corpus file beside its gzip-compressed copy", {"train.de.gz": gzip.compress(b"ein Satz\nzwei\n")},
+     "{data}/train.de and train.de.gz are both there; remove or rename the one not to read"),
     ("parallel files of different lengths", {"train.de": "a\nb\nc\n"}, "{data}/train.de has 3 lines but"),
     ("parallel files of different lengths, by blank lines at the end", {"train.de": "a\nb\n\n\n"},
      "{data}/train.de has 4 lines but {data}/train.en has 2 (the last 2 line(s) of {data}/train.de are empty: blank "
@@ -225,7 +230,7 @@ def data_dir(tmp_path: Path, files: dict) -> Path:
         (data / f"{split}.de").write_text("ein Satz\nzwei Sätze\n")
         (data / f"{split}.en").write_text("a sentence\ntwo sentences\n")
     for name, content in files.items():
-        (data / name).unlink()
+        (data / name).unlink(missing_ok=True)
         if content is DIRECTORY:
             (data / name).mkdir()
         elif isinstance(content, bytes):
@@ -311,7 +316,7 @@ def test_held_out_lines_past_trainer_limit_eval_are_not_measured(tmp_path, share
 
     data = data_dir(tmp_path, {"test.de": "ein Satz\n" + "Wort " * 1100 + "\n"})
     cfg = compose_config(*files_overrides(data), *FAST_TRAIN, "trainer.limit_eval=1", "seed=-1",
-                         run_dir=tmp_path / "run", cache_dir=shared_cache)
+                         "tokenizer.min_freq=1", run_dir=tmp_path / "run", cache_dir=shared_cache)
     assert train(cfg)["status"] == "completed"
     assert plan.main(["trainer.threads=100000", "plan.src_len=9", "plan.tgt_len=9", "plan.src_vocab=50",
                       "plan.tgt_vocab=50"]) == 0

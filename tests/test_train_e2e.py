@@ -337,7 +337,16 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
         assert capsys.readouterr().err.splitlines()[-1].startswith(f"error: {tmp_path / 'missing.de'}")
         (tmp_path / "one.en").write_text("a dog\n")
         assert translate.main([str(ckpts), "--input", str(source), "--reference", str(tmp_path / "one.en")]) == 1
-        assert capsys.readouterr().err.splitlines()[-1] == f"error: {source} has 3 lines but {tmp_path / 'one.en'} has 1"
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: {source} has 3 lines but {tmp_path / 'one.en'} has 1; parallel files must have one sentence per "
+            "line, line for line")
+        (tmp_path / "four.en").write_text("a dog\n\na dog\n\n")  # as training says it: a blank line too many
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(source.read_bytes())))
+        assert translate.main([str(ckpts), "--input", "-", "--reference", str(tmp_path / "four.en")]) == 1
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: standard input has 3 lines but {tmp_path / 'four.en'} has 4 (the last 1 line(s) of "
+            f"{tmp_path / 'four.en'} are empty: blank lines at its end?); parallel files must have one sentence per "
+            "line, line for line")
     long = tmp_path / "long.de"  # refused by its line before decoding (decoding it could exhaust the memory)
     long.write_text("ein Hund\n" + "Hund " * 1100 + "\n")
     assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu"]) == 1
@@ -520,7 +529,7 @@ def test_with_hydra_job_chdir_relative_paths_are_the_launch_directorys(tmp_path)
     proc = run_cli(str(ROOT / "train.py"), "hydra.job.chdir=true", "data=files", "data.src_lang=de",
                    "data.tgt_lang=en", *(f"data.{s}_prefix=data/{s}" for s in ("train", "valid", "test")),
                    *FAST_TRAIN, "trainer.max_steps=2", "trainer.eval_every=2", "logger=none", "paths.cache_dir=cache",
-                   "hydra.run.dir=run", cwd=tmp_path)
+                   "tokenizer.min_freq=1", "hydra.run.dir=run", cwd=tmp_path)  # (words seen once: a vocabulary)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert list((tmp_path / "cache").glob("encoded-*.pt")) and not (tmp_path / "run" / "cache").exists()
     conf = OmegaConf.load(tmp_path / "run" / "config.yaml")

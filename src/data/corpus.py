@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -167,11 +167,8 @@ def every_problem(calls: list[Callable[[], T]]) -> list[T]:
     return results
 
 
-def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = False) -> ParallelText:
-    """Line pairs of two parallel files. Pairs with an empty side are skipped from training data (with a warning
-    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source has an empty
-    translation, an empty reference is scored as one, as translate.py translates and scores such files."""
-    src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
+def check_line_counts(src_path: str | Path, src: Sequence[str], tgt_path: str | Path, tgt: Sequence[str]) -> None:
+    """Parallel lines, line for line; blank lines at the end of the longer file are named as such."""
     if len(src) != len(tgt):
         longer_path, longer = (src_path, src) if len(src) > len(tgt) else (tgt_path, tgt)
         extra = longer[min(len(src), len(tgt)):]
@@ -181,6 +178,14 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}{blank}; "
             "parallel files must have one sentence per line, line for line"
         )
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = False) -> ParallelText:
+    """Line pairs of two parallel files. Pairs with an empty side are skipped from training data (with a warning
+    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source has an empty
+    translation, an empty reference is scored as one, as translate.py translates and scores such files."""
+    src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
+    check_line_counts(src_path, src, tgt_path, tgt)
     keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
     if not keep:
         raise DataError(f"{src_path}, {tgt_path}: every line pair has an empty side")
@@ -202,9 +207,11 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
 def find_text_file(prefix: str | Path, lang: str) -> Path:
     """``{prefix}.{lang}``, or its gzip-compressed ``{prefix}.{lang}.gz``."""
     plain = Path(f"{prefix}.{lang}").expanduser()
-    for candidate in (plain, Path(f"{plain}.gz")):
-        if candidate.is_file():
-            return candidate
+    found = [candidate for candidate in (plain, Path(f"{plain}.gz")) if candidate.is_file()]
+    if len(found) == 2:  # (an unzipped copy beside its archive, edited since, say)
+        raise DataError(f"{plain} and {plain.name}.gz are both there; remove or rename the one not to read")
+    if found:
+        return found[0]
     if plain.is_dir():
         raise DataError(f"{plain}: is a directory; give the path prefix of text files, one sentence per line")
     raise DataError(f"{plain}: file not found (nor {plain.name}.gz)")

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..fileio import atomic_path, locked
 from ..memory import peak_rss_mb
-from ..tokenizers import SPECIALS, Codec, TrimmedCodec, build_codec, codec_from_state
+from ..tokenizers import Codec, TrimmedCodec, build_codec, codec_from_state
 from .corpus import Corpus
 
 log = logging.getLogger(__name__)
@@ -266,10 +266,6 @@ def _encode(corpus: Corpus, tokenizer: dict, fork: bool = False) -> tuple[dict, 
     codec = build_codec(tokenizer, corpus.src_lang, corpus.train.src) if shared else None
     sides = in_forked_children(_encode_side, jobs) if fork else [(_encode_side(*job, codec), None) for job in jobs]
     (src, _), (tgt, _) = sides
-    for side, lang in ((src, corpus.src_lang), (tgt, corpus.tgt_lang)):
-        if side["codec"]["type"] == "spacy" and len(side["codec"]["itos"]) <= len(SPECIALS):
-            raise ConfigError(f"tokenizer.min_freq={tokenizer.get('min_freq')}: no {lang} word of the training text "
-                              "is seen that often, so its vocabulary holds the special tokens alone; lower it")
     return {
         "codecs": {"src": src["codec"], "tgt": tgt["codec"], "shared": shared},
         "splits": {name: {"src": src["splits"][name], "tgt": tgt["splits"][name]} for name in corpus.splits},

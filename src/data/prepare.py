@@ -9,6 +9,7 @@ from pathlib import Path
 from ..distributed import World
 from ..errors import ConfigError, DataError
 from ..memory import MemoryStrategy
+from ..tokenizers import SPECIALS, SpacyCodec
 from .batching import limit_lengths
 from .corpus import MULTI30K_URL, Corpus, load_files, load_multi30k, load_synthetic
 from .encode import EncodedCorpus, EncodedSplit, encode_corpus, seq_lengths, trim_vocabulary
@@ -72,6 +73,15 @@ def check_positions(corpus: Corpus, encoded: EncodedCorpus, limit: int | None, s
 
 
 
+def check_vocabularies(corpus: Corpus, encoded: EncodedCorpus, tokenizer: dict) -> None:
+    """A vocabulary built from the training text holds a word (one of special tokens alone trains a model that
+    translates every word as the unknown token)."""
+    for codec, lang in ((encoded.src_codec, corpus.src_lang), (encoded.tgt_codec, corpus.tgt_lang)):
+        if isinstance(codec, SpacyCodec) and len(codec) <= len(SPECIALS):
+            raise ConfigError(f"tokenizer.min_freq={tokenizer.get('min_freq')}: no {lang} word of the training text "
+                              "is seen that often, so its vocabulary holds the special tokens alone; lower it")
+
+
 def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True, world: World | None = None
                  ) -> tuple[Corpus, EncodedCorpus, EncodedSplit, dict]:
     """The corpus, its encoding (cached), the training split after truncation, and what was done to it. Under
@@ -81,6 +91,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         corpus = load_corpus(conf["data"], cache_dir, download_ok)
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
     check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy, conf["trainer"])
+    check_vocabularies(corpus, encoded, conf["tokenizer"])
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
