@@ -220,13 +220,15 @@ def translate_ids(
     autocast=contextlib.nullcontext,
     beam_size: int = 1,
     alpha: float = 0.0,
+    max_positions: int | None = None,
 ) -> list[list[int]]:
     """Translations of encoded sources (no special tokens), in input order: greedy, or by beam search where
     ``beam_size`` > 1 (``alpha``: its length penalty). Each sentence may produce up to ``max_len_a * its source
     length + max_len_b`` tokens, ``</s>`` counted on both sides (fairseq's ``--max-len-a/b``, which fairseq applies
     with the longest source of the batch): so a translation does not depend on the sentences batched with it, and
     ``batch_size`` changes nothing but rounding. A source of no tokens (a blank line a held-out split keeps) has an
-    empty translation, as translate.py writes for a blank line: it is not decoded."""
+    empty translation, as translate.py writes for a blank line: it is not decoded. No translation is longer than
+    ``max_positions`` (None: any length), as fairseq caps it at the decoder's positions."""
     eos = torch.tensor([src_codec.eos_id])
     order = sorted((i for i in range(len(sources)) if len(sources[i])), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
@@ -234,6 +236,8 @@ def translate_ids(
         idx = order[start : start + batch_size]
         src = pad_stack([torch.cat([sources[i], eos]) for i in idx], src_codec.pad_id).to(device)
         max_len = [int(max_len_a * (len(sources[i]) + 1) + max_len_b) for i in idx]
+        if max_positions is not None:
+            max_len = [min(n, max_positions) for n in max_len]
         specials = tgt_codec.bos_id, tgt_codec.eos_id, tgt_codec.pad_id
         with autocast():
             if beam_size == 1:
@@ -271,7 +275,7 @@ def translate(
                             f"above the model's max_positions={limit}; split that line, or allow it with "
                             "--max-positions (0: any length; decoding it may need a lot of memory)")
     out = [""] * len(texts)
-    for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, **kwargs)):
+    for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, max_positions=limit, **kwargs)):
         out[i] = tgt_codec.decode(ids)
     return out
 
@@ -379,7 +383,8 @@ class Evaluator:
         t0 = time.perf_counter()
         hyp_ids = self._backing_off(lambda batch: translate_ids(
             model, s.encoded.src, self.src_codec, self.tgt_codec, self.device, batch, tr["max_len_a"],
-            tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"]), f"decoding the {split} set")
+            tr["max_len_b"], self.autocast, tr["beam_size"], tr["length_penalty"], model.args.max_positions),
+            f"decoding the {split} set")
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
         scores = score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang)

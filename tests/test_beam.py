@@ -212,3 +212,25 @@ def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_e
         beam_search(broken, SRC, BOS, EOS, PAD, max_len=12, beam_size=3)
     with pytest.raises(FloatingPointError, match="greedy decoding: a sentence's scores are NaN at step 1"):
         greedy_decode(broken, SRC, BOS, EOS, PAD, max_len=12)  # (it wrote the NaN row's argmax)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_no_translation_is_longer_than_the_models_positions(model, beam_size):
+    """max_len_a x a long source + max_len_b may pass the decoder's positions (a 1,000-word line wrote 1,511
+    tokens under max_positions=1024): translations stop at max_positions, as fairseq's do; None leaves them be."""
+    from types import SimpleNamespace
+
+    from src.evaluate import translate_ids
+
+    torch.manual_seed(1)
+    sources = [torch.randint(3, 30, (n,)) for n in (2, 8)]
+    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+
+    def lengths(max_positions):
+        rows = translate_ids(model, sources, codec, codec, torch.device("cpu"), 2, 0.0, 20, beam_size=beam_size,
+                             max_positions=max_positions)
+        return [len([t for t in row if t != PAD]) for row in rows]
+
+    free, capped = lengths(None), lengths(5)
+    assert free[0] == 3 and free[1] > 5  # the reverser writes n words and </s>, or about that
+    assert capped == [3, 5]
