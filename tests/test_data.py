@@ -716,6 +716,21 @@ def test_pairs_with_an_empty_side_are_skipped_with_the_files_and_lines_named(tmp
         f"skipped 2 line pairs with an empty side: {tgt} has 2 empty, at lines 2, 4"]
 
 
+def test_a_tab_separated_file_given_as_one_side_is_said(tmp_path, caplog):
+    """paste train.de train.en > train.de: both languages on the source side trained without a word; a tab inside
+    a line or two is text, and not said."""
+    import logging
+
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_text("eins\tone\nzwei\ttwo\ndrei\n")
+    tgt.write_text("one\ntwo\tzwo\nthree\n")
+    with caplog.at_level(logging.WARNING):
+        corpus_mod.read_parallel(src, tgt)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{src}: 2 of 3 lines hold a tab: a tab-separated file of both languages? This reads one language per file, "
+        "line for line with the other's"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pythainlp") is not None, reason="PyThaiNLP is installed here")
 def test_a_spacy_language_that_needs_another_package_says_which():
     from src.tokenizers import spacy_tokenizer

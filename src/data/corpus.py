@@ -186,6 +186,10 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
     translation, an empty reference is scored as one, as translate.py translates and scores such files."""
     src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     check_line_counts(src_path, src, tgt_path, tgt)
+    for path, lines in ((src_path, src), (tgt_path, tgt)):
+        if (tabbed := sum("\t" in line for line in lines)) > len(lines) / 2:
+            log.warning("%s: %d of %d lines hold a tab: a tab-separated file of both languages? This reads one "
+                        "language per file, line for line with the other's", path, tabbed, len(lines))
     keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
     if not keep:
         raise DataError(f"{src_path}, {tgt_path}: every line pair has an empty side")
