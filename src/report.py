@@ -72,7 +72,9 @@ class Job:
         text = f"{max_tokens:,} tokens" if max_tokens else f"{batch} pairs" if batch else "?"
         if accum > 1:
             micro = f"{-(-max_tokens // accum):,} tokens" if max_tokens else -(-batch // accum) if batch else "?"
-            text += f" ({accum} x {micro})"
+            # raised by out-of-memory back-offs: the steps before trained in fewer, larger micro-batches
+            since = f" from step {backoffs[-1]['step']}" if (backoffs := s.get("oom_backoffs")) else ""
+            text += f" ({accum} x {micro}{since})"
         world = s.get("world_size") or 1  # torchrun: a batch (or token budget) per rank in each optimizer step
         return f"{world} ranks x {text}" if world > 1 else text
 
@@ -294,7 +296,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         x, y = j.summary["tokens_per_s"], j.summary["peak_memory_mb"]
         ax_mem.scatter(x, y, s=40, color=color[j.name])
         bleu = j.summary.get("test_bleu")
-        note = _plain(f"{j.label}: BLEU {bleu:.1f}" if bleu is not None else j.label)
+        note = _plain(f"{j.label}: BLEU {bleu:.2f}" if bleu is not None else j.label)
         fx, fy = x / x_max, y / y_max
         dy = 0.02
         while any(abs(fx - px) < 0.25 and abs(fy + dy - py) < 0.045 for px, py in placed):

@@ -558,6 +558,9 @@ def test_an_uneven_accumulation_shows_its_largest_micro_batch():
 
     assert Job("0", Path("x"), summary={"batch_size": 128, "final_accum_steps": 3}).effective_batch == "128 pairs (3 x 43)"
     assert Job("0", Path("x"), summary={"max_tokens": 1000, "accum_steps": 3}).effective_batch == "1,000 tokens (3 x 334 tokens)"
+    backed_off = {"batch_size": 64, "final_accum_steps": 8, "oom_backoffs": [{"step": 1, "accum_steps": 2},
+                                                                            {"step": 3, "accum_steps": 8}]}
+    assert Job("0", Path("x"), summary=backed_off).effective_batch == "64 pairs (8 x 8 from step 3)"
 
 
 def test_a_damaged_line_inside_metrics_jsonl_is_named_and_a_cut_last_line_is_not(tmp_path):
