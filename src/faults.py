@@ -28,6 +28,10 @@ def check_fault(fault: dict) -> None:
     check_int("fault.at_step", fault.get("at_step", 1), 1)
     check_int("fault.times", fault.get("times", 1), 0)
     check_int("fault.rank", fault.get("rank"), 0, nullable=True)
+    given = [f"fault.{k}={fault[k]}" for k, default in (("at_step", 1), ("times", 1), ("rank", None))
+             if fault.get(k, default) != default]
+    if kind is None and given:
+        log.warning("%s without fault.kind: nothing is injected (fault.kind=%s)", " ".join(given), "|".join(kinds))
 
 
 class Fault:

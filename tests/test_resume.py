@@ -607,6 +607,16 @@ def test_a_fault_acts_at_its_step_alone_and_times_0_keeps_it_off():
         check_fault({"kind": "error", "times": -1})
 
 
+def test_a_fault_step_without_a_kind_is_said_to_inject_nothing(caplog):
+    from src.faults import check_fault
+
+    check_fault({"kind": None, "at_step": 1, "times": 1, "rank": None})  # the defaults: silent
+    assert not caplog.records
+    check_fault({"kind": None, "at_step": 3, "times": 1, "rank": 1})
+    assert caplog.records[0].getMessage().startswith(
+        "fault.at_step=3 fault.rank=1 without fault.kind: nothing is injected (fault.kind=oom|")
+
+
 def test_a_run_directory_names_the_checkpoints_it_tested_with_or_its_best(tmp_path):
     """translate.py <run dir>: summary.json's test_checkpoints when every one of them is there, else best.pt (one
     deleted to save space would otherwise fail as "not found"); a dict with weights but no model settings is one
