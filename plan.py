@@ -133,6 +133,9 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
     print(f"model={conf['model']['name']} ({est.parameters / 1e6:.1f}M parameters, vocabularies "
           f"{info['src_vocab']:,}/{info['tgt_vocab']:,}), memory: {strategy.label}"
           + (f", one rank of {info['world_size']} (plan.world_size)" if "world_size" in info else ""))
+    if strategy.trim_vocab and not {"src_vocab", "tgt_vocab"} & set(info["from_data"]):
+        print("trim_vocab: not planned, as the vocabulary sizes are given (plan.src_vocab, plan.tgt_vocab): give the "
+              "trimmed sizes, or leave them to the data, which trims them as training does")
     print(f"worst-case step: {s.accum_steps} micro-batch(es) of {s.pairs} pairs, {s.src_len} source and "
           f"{s.tgt_len} target positions each" + (f" (measured on the data: {', '.join(info['from_data'])})"
                                                   if info["from_data"] else ""))

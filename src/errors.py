@@ -1,6 +1,8 @@
 """Errors that are the user's to fix: each problem reported as one line that names the key, file or line, never
 as a traceback (an error that reports several problems has a line for each)."""
 
+import math
+
 
 class UserError(Exception):
     """A problem with the configuration or the data, with a message that says what to change."""
@@ -30,8 +32,10 @@ def check_number(key: str, value, minimum: float, strict: bool = False, nullable
     given; or null, where ``nullable``); ``why`` ends the message."""
     if nullable and value is None:
         return
-    if (isinstance(value, bool) or not isinstance(value, int | float) or value < minimum or (strict and value == minimum)
-            or (below is not None and value >= below)):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value}: must be a finite number")
+    if (isinstance(value, bool) or not isinstance(value, int | float) or value < minimum
+            or (strict and value == minimum) or (below is not None and value >= below)):
         raise ConfigError(f"{key}={value}: must be a number {'>' if strict else '>='} {minimum}"
                           + (f" and < {below}" if below is not None else "") + (", or null" if nullable else "") + why
                           + string_hint(key, value))

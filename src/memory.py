@@ -28,6 +28,7 @@ import ctypes
 import functools
 import gc
 import logging
+import math
 import platform
 import resource
 import sys
@@ -84,7 +85,8 @@ class MemoryStrategy:
                               "inside every backward pass, so its ranks cannot redo a step together; set it to 0 or "
                               "null, and plan first (plan.py)")
         budget = self.budget_gb
-        if self.auto and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0):
+        if self.auto and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
+                              and math.isfinite(budget)):
             raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
                               "e.g. memory.budget_gb=12")
 

@@ -86,6 +86,12 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         src_len = min(src_len, strategy.max_src_len)
     if strategy.max_tgt_len:
         tgt_len = min(tgt_len, strategy.max_tgt_len)
+    limit = conf["model"].get("max_positions")
+    for side, n in (("src", src_len), ("tgt", tgt_len)):  # (lengths measured on the data were checked there)
+        if limit is not None and n + 1 > limit:
+            raise ConfigError(f"plan.{side}_len={n}: {n + 1:,} positions with the special token, above "
+                              f"model.max_positions={limit}, which training refuses; cut such sentences with "
+                              f"memory=truncate memory.max_{side}_len=..., or raise model.max_positions")
     if strategy.max_tokens:  # a budget that cannot hold the longest pair fails in training: say so here
         try:
             check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from .faults import check_fault
 from .kernels import attention_names
 from .model import INITS, ModelArgs, model_fields
 from .tokenizers import check_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str, key: str = "trainer.device=") -> torch.device:
@@ -190,6 +193,14 @@ def check_settings(conf: dict) -> None:
     check_data(conf["data"])
     check_tokenizer(conf["tokenizer"], (conf["data"].get("src_lang"), conf["data"].get("tgt_lang")))
     check_int("data.batch_size", conf["data"].get("batch_size"), 1)
+    memory, batch = conf.get("memory") or {}, conf["data"].get("batch_size")
+    accum = memory.get("accum_steps")
+    if not conf["data"].get("max_tokens") and isinstance(accum, int) and accum > batch:
+        raise ConfigError(f"memory.accum_steps={accum}: more micro-batches than the {batch} pairs of data.batch_size; "
+                          f"at most {batch} (micro-batches of one pair)")
+    if memory.get("budget_gb") is not None and not memory.get("auto"):
+        log.warning("memory.budget_gb=%s: read by memory=auto alone; this run's strategy does not fit itself to it "
+                    "(plan.py checks a card with plan.gpu_gb)", memory["budget_gb"])
     check_fault(conf.get("fault") or {})
     seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:

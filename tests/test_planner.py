@@ -318,6 +318,10 @@ def test_plan_command_bad_override_is_one_line():
     ("plan.context_gb=-1", "plan.context_gb=-1: must be a number >= 0"),
     ("plan.src_len=0", "plan.src_len=0: must be an integer >= 1, or null"),
     ("model.dropout=1", "model.dropout=1: must be a number >= 0 and < 1"),
+    ("plan.gpu_gb=nan", "plan.gpu_gb=nan: must be a finite number"),  # "does NOT fit a nan GB card"
+    ("plan.gpu_gb=inf", "plan.gpu_gb=inf: must be a finite number"),  # "fits a inf GB card"
+    ("memory.accum_steps=65", "memory.accum_steps=65: more micro-batches than the 64 pairs of data.batch_size; at most "
+     "64 (micro-batches of one pair)"),  # planned as 64, run as 65 "micro-batches of 1" in summary.json
 ])
 def test_plan_settings_are_checked_before_the_data_is_read(override, message, capsys, tmp_path):
     import plan
@@ -325,6 +329,26 @@ def test_plan_settings_are_checked_before_the_data_is_read(override, message, ca
     assert plan.main([override, f"paths.cache_dir={tmp_path}"]) == 1
     assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
+
+
+def test_plan_refuses_sentences_longer_than_training_takes(capsys, caplog):
+    """plan.src_len=2000 said "fits" for sentences that training refuses by model.max_positions; cut by
+    memory=truncate they are planned. A memory.budget_gb without memory=auto is said to be read by nothing else."""
+    import plan
+
+    sizes = ["plan.tgt_len=64", "plan.src_vocab=800", "plan.tgt_vocab=800"]
+    assert plan.main(["model=tiny", "plan.src_len=2000", *sizes]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: plan.src_len=2000: 2,001 positions with the special token, above model.max_positions=1024, which "
+        "training refuses; cut such sentences with memory=truncate memory.max_src_len=..., or raise "
+        "model.max_positions"]
+    assert plan.main(["model=tiny", "plan.src_len=2000", "memory=truncate", "memory.max_src_len=1023",
+                      "memory.budget_gb=4", *sizes]) == 0
+    assert "1024 source" in capsys.readouterr().out
+    assert "memory.budget_gb=4: read by memory=auto alone" in caplog.text
+    # memory=trim_vocab planned the vocabularies given, untrimmed, as if trimming saved nothing: said
+    assert plan.main(["model=tiny", "memory=trim_vocab", "plan.src_len=20", *sizes]) == 0
+    assert "trim_vocab: not planned, as the vocabulary sizes are given" in capsys.readouterr().out
 
 
 def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
