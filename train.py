@@ -67,10 +67,17 @@ def main(cfg: DictConfig) -> float:
         return math.nan  # a failed trial, to a sweeper that optimizes the returned value (and the next job starts)
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
-    peak = summary["peak_memory_mb"]
-    print(f"[{summary['strategy']}] {scores(summary)}, {summary['tokens_per_s']:.0f} tokens/s, "
-          f"peak memory {'not tracked' if peak is None else f'{peak} MiB'} -> {cfg.paths.output_dir}")
+    print(final_line(summary, cfg.paths.output_dir))
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
+
+
+def final_line(summary: dict, output_dir: str) -> str:
+    """The line a completed run ends with: its label, scores, speed, peak and directory."""
+    peak = summary["peak_memory_mb"]
+    backed_off = (f" (backed off to accum_steps {summary['final_accum_steps']})" if summary.get("oom_backoffs")
+                  else "")  # out of memory: the rest of the run trained in smaller micro-batches
+    return (f"[{summary['strategy']}]{backed_off} {scores(summary)}, {summary['tokens_per_s']:.0f} tokens/s, "
+            f"peak memory {'not tracked' if peak is None else f'{peak} MiB'} -> {output_dir}")
 
 
 def scores(summary: dict) -> str:

@@ -563,6 +563,10 @@ def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_
     assert "Tried to allocate" in backed_off["oom_backoffs"][0]["error"]
     rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert {"step": 3, "oom_backoffs": 1, "accum_steps": 2} in rows
+    from train import final_line  # the run's last line says so: its label alone ([none]) did not
+
+    assert final_line(backed_off, "run").startswith("[none] (backed off to accum_steps 2) test BLEU ")
+    assert final_line(plain, "run").startswith("[none] test BLEU ")
 
 
 def test_oom_back_off_in_a_later_micro_batch_redoes_the_step_without_its_gradients(tmp_path, shared_cache,
