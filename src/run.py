@@ -679,8 +679,13 @@ class TrainingRun:
                        else "memory.oom_retries is not set: none by default there")
             where = (f"on rank {world.rank} without back-off under torchrun ({setting}; "
                      "memory.oom_retries=3 has every rank redo the step with twice the accumulation)")
+        elif largest == 1:
+            where = (f"after {len(p.backoffs)} back-off(s), with micro-batches of one pair that cannot be split further "
+                     "(lower the memory of a pair: memory=amp, checkpoint, chunked_ce or truncate; python plan.py "
+                     "compares them)")
         else:
-            where = f"after {len(p.backoffs)} back-off(s)"
+            where = (f"after {len(p.backoffs)} back-off(s), the most memory.oom_retries={retries} allows (plan.py, "
+                     "or memory=auto memory.budget_gb=..., finds a setting that fits)")
         return torch.OutOfMemoryError(
             f"out of memory at step {step} with micro-batches of up to {largest} pairs (accum_steps {p.accum_steps}) "
             f"{where}: {reason}" + (f"; memory snapshot: {snapshot}" if snapshot else ""))

@@ -569,6 +569,16 @@ def test_oom_back_off_keeps_every_example_and_the_effective_batch(fast_cfg, tmp_
     assert final_line(plain, "run").startswith("[none] test BLEU ")
 
 
+def test_out_of_memory_in_micro_batches_of_one_pair_says_what_lowers_a_pairs_memory(tmp_path, shared_cache):
+    """Micro-batches of one pair cannot be split: the error said "after 0 back-off(s)", not why, nor what next."""
+    cfg = compose_config(*FAST, "memory=accum", "memory.accum_steps=16", "fault.kind=oom", "fault.at_step=1",
+                         run_dir=tmp_path / "run", cache_dir=shared_cache)
+    with pytest.raises(torch.OutOfMemoryError, match=r"up to 1 pairs \(accum_steps 16\) after 0 back-off\(s\), with "
+                       r"micro-batches of one pair that cannot be split further \(lower the memory of a pair: "
+                       r"memory=amp, checkpoint, chunked_ce or truncate"):
+        train(cfg)
+
+
 def test_oom_back_off_in_a_later_micro_batch_redoes_the_step_without_its_gradients(tmp_path, shared_cache,
                                                                                     monkeypatch):
     """Out of memory in a step's second micro-batch, after the first one's backward left its gradients: the

@@ -109,7 +109,8 @@ def test_failing_jobs_are_recorded_and_the_sweep_goes_on(failing_sweep):
     summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in "0123"]
     assert [s["status"] for s in summaries] == ["completed", "oom", "failed", "failed"]
     assert summaries[0]["test_bleu"] is not None
-    assert "after 3 back-off(s)" in summaries[1]["error"] and "Tried to allocate" in summaries[1]["error"]
+    assert "after 3 back-off(s), the most memory.oom_retries=3 allows" in summaries[1]["error"]
+    assert "Tried to allocate" in summaries[1]["error"]
     assert "injected failure" in summaries[2]["error"]
     assert summaries[3]["error"].startswith("fault.kind=bogus")
     # what the jobs that stopped in training had reached: two steps; the bad setting stopped before any
