@@ -614,9 +614,9 @@ class TrainingRun:
         self.bar.close()
         self.log_window()
         if p.last_eval_step != p.step:
-            self.save(states=self.run_eval())
+            self.save(states=self.run_eval(), final=True)
         elif self.saved_step != p.step:  # not when the loop's last step wrote it
-            self.save()
+            self.save(final=True)
 
     def done(self) -> bool:
         p, max_steps, max_epochs = self.p, self.max_steps, self.max_epochs
@@ -717,7 +717,7 @@ class TrainingRun:
                                  tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"),
                                  refresh=self.bar_live)  # into a file: at the next redraw
 
-    def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None) -> None:
+    def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None, final: bool = False) -> None:
         """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
         every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
         p, world = self.p, self.world
@@ -737,7 +737,7 @@ class TrainingRun:
         if not (path is None and self.best_written == p.step and link_atomically(self.best_path, target)):
             save_checkpoint(target, **state)
         if path is None:
-            prune(self.ckpt_dir, self.keep_last)
+            prune(self.ckpt_dir, self.keep_last, self.save_every, p.step if final else None)
         else:  # best.pt
             self.best_written = p.step
 

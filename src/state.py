@@ -138,8 +138,21 @@ def stale_best(best: Path, step: int) -> bool:
     return written is None or written > step
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
-    for _, path in step_checkpoints(ckpt_dir)[max(1, keep):]:
+def prune(ckpt_dir: Path, keep: int, every: int | None = None, final: int | None = None) -> None:
+    """Keep the newest ``keep`` step checkpoints. With ``every``, the steps between scheduled checkpoints, those
+    off that schedule (``final``, the run's last step, is on it) are a stopped run's, written at whatever step the
+    signal came: kept, uncounted, while newer than every scheduled one (the point a resumed run continues from),
+    removed once a scheduled one supersedes them, so that keep_last and average_last count the run's schedule as
+    a run that never stopped does."""
+    found = step_checkpoints(ckpt_dir)
+    if every:
+        scheduled = [(s, path) for s, path in found if s % every == 0 or s == final]
+        newest = scheduled[0][0] if scheduled else -1
+        for s, path in found:
+            if (s, path) not in scheduled and s < newest:
+                path.unlink(missing_ok=True)
+        found = scheduled
+    for _, path in found[max(1, keep):]:
         path.unlink(missing_ok=True)
 
 

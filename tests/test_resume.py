@@ -87,6 +87,44 @@ def test_a_resumed_runs_memory_peaks_are_the_uninterrupted_runs_to_the_byte(tmp_
     assert memory[1]["run_peak"] == memory[0]["run_peak"] and memory[1] == memory[0]
 
 
+def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_the_run_never_stopped(tmp_path, shared_cache):
+    """A stop writes a checkpoint at whatever step the signal came (9, between the checkpoints every 2 steps): it
+    counted as one of the run's step checkpoints, so pruning removed step 6 for it and average_last=3 tested steps
+    8, 9 and 10, not the uninterrupted run's 6, 8 and 10. It is removed once the next scheduled one is written."""
+    from src.faults import Interrupted
+
+    common = [*FAST, "trainer.max_steps=10", "trainer.eval_every=5", "trainer.save_every=2", "trainer.keep_last=3",
+              "trainer.average_last=3"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    first = train(compose_config(*common, run_dir=straight, cache_dir=shared_cache))
+    with pytest.raises(Interrupted):
+        train(compose_config(*common, "fault.kind=sigterm", "fault.at_step=9", run_dir=stopped, cache_dir=shared_cache))
+    assert sorted(p.name for p in (stopped / "checkpoints").glob("step_*.pt")) == [
+        "step_00000004.pt", "step_00000006.pt", "step_00000008.pt", "step_00000009.pt"]  # step 4 not pruned for 9
+    resumed = train(compose_config(*common, "trainer.resume=auto", run_dir=stopped, cache_dir=shared_cache))
+    names = [sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) for run in (straight, stopped)]
+    assert names[0] == names[1] == ["step_00000006.pt", "step_00000008.pt", "step_00000010.pt"]
+    assert resumed["test_checkpoints"] == first["test_checkpoints"] == names[0]
+    assert (stopped / "test.hyp.txt").read_text() == (straight / "test.hyp.txt").read_text()
+
+
+def test_pruning_counts_the_schedule_and_the_last_step(tmp_path):
+    from src.state import prune
+
+    def left(steps, every, final=None):
+        for f in tmp_path.glob("*.pt"):
+            f.unlink()
+        for step in steps:
+            (tmp_path / f"step_{step:08d}.pt").write_bytes(b"")
+        prune(tmp_path, 3, every, final)
+        return sorted(int(f.stem[5:]) for f in tmp_path.glob("*.pt"))
+
+    assert left([2, 4, 6, 7], 2) == [2, 4, 6, 7]  # a stop's at 7: kept, uncounted, until a scheduled one is newer
+    assert left([2, 4, 6, 7, 8], 2) == [4, 6, 8]
+    assert left([3, 6, 9, 10], 3, final=10) == [6, 9, 10]  # the last step, off the schedule, is the run's
+    assert left([3, 6, 9, 10], None) == [6, 9, 10]  # no schedule: the newest
+
+
 def test_a_failed_attempts_summary_gives_way_to_the_next_attempts(fast_cfg):
     """Only an earlier run worth keeping (checkpoints, a completed summary) is left alone by an attempt refused
     before it starts; an earlier failed attempt's summary is replaced by the new one's error."""
