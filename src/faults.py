@@ -69,10 +69,18 @@ class Fault:
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived: the run stopped after a whole step and wrote a checkpoint to resume from."""
 
-    def __init__(self, signum: int, step: int):
+    def __init__(self, signum: int, step: int, where: str = "in the same run directory"):
         super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint written; continue with "
-                         "trainer.resume=auto in the same run directory")
+                         f"trainer.resume=auto {where}")
         self.signum = signum
+
+
+def continue_where(job: dict, run_dir: Path) -> str:
+    """The setting that points a run started again at the run directory a stopped run left: the sweep's, for a
+    sweep's job (its default directory is named by the time it started), else the run's."""
+    if job.get("sweep_dir"):
+        return f"and hydra.sweep.dir={job['sweep_dir']} (the same sweep command: its jobs resume, or start)"
+    return f"and hydra.run.dir={run_dir}" if job else f"in {run_dir}"
 
 
 @contextlib.contextmanager

@@ -81,14 +81,15 @@ def run_name(label: str, overrides: list[str]) -> str:
     """The strategy label plus the job's overrides that say what else differs (``amp model=small``, ``amp
     memory.amp=fp16``): the choice of built-in memory options is the label already (their values, bf16 or fp16 say,
     are not), but an option file of one's own is named (``amp+checkpoint memory=lowmem``: two such files may resolve
-    to one label); output paths say nothing about the run."""
+    to one label); output paths say nothing about the run, nor does trainer.resume (an attempt that continues it
+    keeps its name)."""
     said = set(re.split(r"[+()]", label))  # auto(amp+accum): auto, amp, accum
 
     def told(override: str) -> bool:
         key, _, value = override.lstrip("~+").partition("=")
         if key == "memory":
             return set(value.strip("[]").split(",")) <= said
-        return key.startswith(("hydra.", "paths.", "logger", "sweep_name"))
+        return key.startswith(("hydra.", "paths.", "logger", "sweep_name")) or key == "trainer.resume"
 
     return " ".join([label, *(o for o in overrides if not told(o))])
 

@@ -655,13 +655,21 @@ class PeakMemory:
             self.allocator.reset_peak()
         self.window_peak, self.window_sampled, self.last, self.last_split = 0, False, {}, {}
 
+    WINDOW_FIELDS = ("window_peak", "window_sampled", "last", "last_split")
+
+    def window_state(self) -> dict:
+        """The window's figures not yet logged, for a stop's checkpoint (Window.open_state)."""
+        if self.allocator and self.window_sampled:
+            self._fold_allocator_peak()
+        return {k: copy.copy(getattr(self, k)) for k in self.WINDOW_FIELDS}
+
     RUN_FIELDS = ("run_peak", "run_reserved", "run_tracked_peak", "run_peak_by_category", "run_max_delta")
 
     def run_state(self) -> dict:
         """The run's peaks so far, for its checkpoints: a resumed run reports the peaks of all its parts."""
         return {k: copy.copy(getattr(self, k)) for k in self.RUN_FIELDS}
 
-    def load_run_state(self, state: dict) -> None:
+    def load_run_state(self, state: dict) -> None:  # (and a window_state)
         for k, v in state.items():
             setattr(self, k, v)
 

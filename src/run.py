@@ -45,7 +45,7 @@ from .distributed import (
 from .environment import environment
 from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
-from .faults import Fault, Interrupted, fault_settings, resume_setting, stop_on_signals
+from .faults import Fault, Interrupted, continue_where, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
 from .kernels import attention_backends, attention_names, check_attention, deterministic_algorithms
 from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
@@ -478,6 +478,9 @@ class TrainingRun:
         p.accum_steps = _accum_from_here(p, self.strategy.accum_steps)
         self.window.load_totals(p.totals)
         self.peak.load_run_state(p.memory)
+        if p.window:  # a stop's window: continued, to be logged whole
+            self.window.load_open(p.window["train"])
+            self.peak.load_run_state(p.window["memory"])
         if not restore_rng_state(ckpt, world.rank, self.conf["seed"]):
             log.info("rank %d: the checkpoint was written by %d rank(s); this rank draws a new random stream",
                      world.rank, len(ckpt.get("rng_ranks") or [0]))
@@ -603,10 +606,16 @@ class TrainingRun:
                     if world.any(stop.signum is not None):
                         stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
                     if stop.signum is not None:
-                        self.log_window()
+                        carry = not world.distributed  # (the ranks' windows are summed as they are logged)
+                        if not carry:
+                            self.log_window()
                         if self.saved_step != p.step:
-                            self.save(states=states)
-                        raise Interrupted(stop.signum, p.step)
+                            self.save(states=states, carry_window=carry)
+                        # the window goes into the interrupted summary's totals, not into a row of its own:
+                        # the resumed run logs it whole, as the run never stopped does
+                        self.window.flush()
+                        self.peak.skip_window()
+                        raise Interrupted(stop.signum, p.step, continue_where(hydra_job(), self.run_dir))
                     if self.done():
                         break
                 else:
@@ -717,13 +726,16 @@ class TrainingRun:
                                  tok_s=f"{metrics['tokens_per_s']:.0f}", mem_mb=metrics.get("peak_memory_mb"),
                                  refresh=self.bar_live)  # into a file: at the next redraw
 
-    def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None, final: bool = False) -> None:
-        """A training checkpoint of everything needed to continue exactly from here. Data-parallel: called on
-        every rank (each rank's random generators are gathered, FSDP's shards too); rank 0 writes it."""
+    def save(self, path: Path | None = None, states: tuple[dict, dict] | None = None, final: bool = False,
+             carry_window: bool = False) -> None:
+        """A training checkpoint of everything needed to continue exactly from here (with ``carry_window``, a
+        stop's: the log window not yet logged too). Data-parallel: called on every rank (each rank's random
+        generators are gathered, FSDP's shards too); rank 0 writes it."""
         p, world = self.p, self.world
         if path is None:
             self.saved_step = p.step
         p.totals, p.memory = self.window.totals(), self.peak.run_state()
+        p.window = {"train": self.window.open_state(), "memory": self.peak.window_state()} if carry_window else {}
         model_state, optim_state = states or full_state(self.model, self.optimizer, self.strategy.fsdp)
         rng = rng_state()
         ranks = world.gather(rng) if world.distributed else None
@@ -734,7 +746,8 @@ class TrainingRun:
                      **self.ckpt_meta)
         target = path or self.ckpt_dir / f"step_{p.step:08d}.pt"
         # a step checkpoint at the step best.pt was just written at holds the same state: one file, two names
-        if not (path is None and self.best_written == p.step and link_atomically(self.best_path, target)):
+        if not (path is None and not p.window and self.best_written == p.step
+                and link_atomically(self.best_path, target)):
             save_checkpoint(target, **state)
         if path is None:
             prune(self.ckpt_dir, self.keep_last, self.save_every, p.step if final else None)

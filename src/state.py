@@ -24,7 +24,7 @@ import torch
 
 from .checkpoint import checkpoint_step, load_checkpoint, unreadable_because, zipped
 from .errors import ConfigError
-from .loggers import WANDB_ID_FILE, run_dir_key
+from .loggers import WANDB_ID_FILE, hydra_job, run_dir_key
 
 log = logging.getLogger(__name__)
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
@@ -45,6 +45,7 @@ class Progress:
     nonfinite_skips: int = 0
     totals: dict = field(default_factory=dict)  # the training window's running totals (tokens, seconds, ...)
     memory: dict = field(default_factory=dict)  # the memory ledger's peaks so far (PeakMemory.run_state)
+    window: dict = field(default_factory=dict)  # a stop's log window, still open: the resumed run logs it whole
 
     def to_dict(self) -> dict:
         """As a checkpoint holds it: ``trained`` as one tensor (a list of millions of ints, late in an epoch of a
@@ -289,7 +290,14 @@ def clear_for_fresh_start(ckpt_dir: Path, resume: str | None, main: bool, start:
     if not stale and not best.is_file():
         return
     if resume not in ("auto", "never"):
-        raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {(stale or [best])[0].name}): add "
+        newest = (stale or [best])[0].name
+        job = hydra_job()
+        if job and Path(job["output_dir"]).resolve() != ckpt_dir.parent.resolve():  # not the hydra.run.dir given
+            raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {newest}): this run writes "
+                              f"there, not into Hydra's run directory, as its config fixes paths.output_dir (a run's "
+                              "config.yaml); run it again from its .hydra/config.yaml, or set paths.output_dir to a "
+                              "new directory")
+        raise ConfigError(f"{ckpt_dir} holds an earlier run's checkpoints (newest {newest}): add "
                           "trainer.resume=auto to continue that run, trainer.resume=never to start over (they are "
                           f"removed), or set {run_dir_key()} to a new directory")
     if main:

@@ -86,6 +86,20 @@ class Window:
         for k, v in totals.items():
             setattr(self, k, v)
 
+    OPEN = ("steps", "tgt_tokens", "src_tokens", "padded", "skipped", "flops", "pairs", "loss_tokens", "loss", "nll",
+            "grad_norm", "lr", "epoch", "seconds", "counted_seconds", "counted_tokens", "counted_flops")
+
+    def open_state(self) -> dict:
+        """The window not yet logged, for a stop's checkpoint (one process's: under torchrun the ranks' windows
+        are summed as they are logged)."""
+        self.pause()
+        state = {k: getattr(self, k) for k in self.OPEN}
+        return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}  # (device sums)
+
+    def load_open(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
     def rates(self, total: bool = False) -> tuple[float, float, bool]:
         """Tokens (source and target) per second, model FLOP/s, and whether steps the memory tracker counted are
         in them: only where it counted every step of the window (or of the run, ``total``)."""

@@ -108,6 +108,30 @@ def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_the_run
     assert (stopped / "test.hyp.txt").read_text() == (straight / "test.hyp.txt").read_text()
 
 
+def test_a_stopped_and_resumed_run_logs_the_uninterrupted_runs_rows(tmp_path, shared_cache):
+    """A stop between log lines (after step 7 of windows of 5 steps) logged the open window as a row of its own
+    (step 7), and the resumed run's next row held steps 8-10 alone: another loss curve. The stop's checkpoint
+    carries the open window; the resumed run logs it whole, and the stopped attempt's summary counts its tokens."""
+    from src.faults import Interrupted
+
+    common = [*FAST, "trainer.max_steps=15", "trainer.log_every=5", "trainer.eval_every=15", "trainer.save_every=5"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    first = train(compose_config(*common, run_dir=straight, cache_dir=shared_cache))
+    with pytest.raises(Interrupted):
+        train(compose_config(*common, "fault.kind=sigterm", "fault.at_step=7", run_dir=stopped, cache_dir=shared_cache))
+    interrupted = json.loads((stopped / "summary.json").read_text())
+    assert interrupted["status"] == "interrupted" and interrupted["steps"] == 7
+    rows = [r for r in read_jsonl(stopped / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [5]  # no row for the window the stop cut short
+    resumed = train(compose_config(*common, "trainer.resume=auto", run_dir=stopped, cache_dir=shared_cache))
+    rows = [[r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r] for run in (straight, stopped)]
+    assert [r["step"] for r in rows[1]] == [r["step"] for r in rows[0]] == [5, 10, 15]
+    for key in ("loss", "nll", "grad_norm", "tgt_tokens", "pairs", "peak_memory_mb"):
+        assert [r[key] for r in rows[1]] == pytest.approx([r[key] for r in rows[0]], rel=1e-6, abs=1e-6), key
+    assert (resumed["src_tokens"], resumed["tgt_tokens"]) == (first["src_tokens"], first["tgt_tokens"])
+    assert 0 < interrupted["tgt_tokens"] < first["tgt_tokens"]
+
+
 def test_pruning_counts_the_schedule_and_the_last_step(tmp_path):
     from src.state import prune
 
@@ -189,7 +213,8 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     proc = run_cli("train.py", *FAST, *STEPS, "fault.kind=sigterm", "fault.at_step=7", f"hydra.run.dir={run}",
                    f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 128 + signal.SIGTERM
-    assert "SIGTERM at step 7: checkpoint written" in proc.stdout + proc.stderr
+    assert (f"SIGTERM at step 7: checkpoint written; continue with trainer.resume=auto and hydra.run.dir={run}"
+            in proc.stdout + proc.stderr)  # the default run directory is named by the time it started
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     ckpt = load_checkpoint(run / "checkpoints" / "step_00000007.pt")

@@ -374,6 +374,8 @@ def test_a_sweep_stopped_by_sigterm_reports_the_jobs_it_ran(tmp_path, shared_cac
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]  # the third job never started
     assert "sweep stopped at job 1; its report holds the jobs it ran" in proc.stdout + proc.stderr
+    assert (f"SIGTERM at step 2: checkpoint written; continue with trainer.resume=auto and hydra.sweep.dir={sweep} "
+            "(the same sweep command: its jobs resume, or start)") in proc.stdout + proc.stderr
     rows = markdown_rows((sweep / "report.md").read_text())
     assert [r.split("|")[1].strip() for r in rows] == ["0", "1"]
     assert "| completed |" in rows[0] and "interrupted" in rows[1]
@@ -473,6 +475,7 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     assert proc.returncode == 1
     assert f"this run writes into paths.output_dir={alone}, not into Hydra's run directory {tmp_path / 'x'}" in said
     assert "holds an earlier run's checkpoints" in said
+    assert "run it again from its .hydra/config.yaml" in said and "trainer.resume=never" not in said  # (it removes)
     assert {f: f.stat().st_mtime_ns for f in (alone / "checkpoints").iterdir()} == before
 
 
@@ -504,6 +507,8 @@ def test_a_memory_option_file_of_ones_own_is_named_beside_its_label():
     assert run_name("amp+checkpoint", ["memory=lowmem16", "model=small"]) == "amp+checkpoint memory=lowmem16 model=small"
     assert run_name("amp+accum", ["memory=[amp,accum]", "seed=2"]) == "amp+accum seed=2"
     assert run_name("auto(accum+amp)", ["memory=auto", "memory.budget_gb=12"]) == "auto(accum+amp) memory.budget_gb=12"
+    # a resumed attempt keeps the run's W&B name (the W&B run it continues was named without trainer.resume)
+    assert run_name("none", ["model=small", "trainer.resume=auto"]) == "none model=small"
     assert run_name("none", ["memory=none", "paths.output_dir=x", "logger=wandb"]) == "none"
 
 
