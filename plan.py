@@ -219,7 +219,8 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         notes.append("worst-case batch: {} source / {} target positions per pair".format(*lengths.pop()))
     if len(cards) == 1:
         _, overhead, context = cards.pop()
-        notes.append(f"needs = (peak + cuBLAS workspaces) x {1 + overhead:.2f} + {context} GB CUDA context")
+        notes.append(f"needs = (peak + cuBLAS workspaces) x {1 + overhead:.2f} + {context} GB CUDA context" if context
+                     else f"needs = (peak + cuBLAS workspaces) x {1 + overhead:.2f} (no CUDA context counted)")
     else:
         notes.append("needs = (peak + cuBLAS workspaces) x (1 + plan.overhead) + plan.context_gb, each row's own")
     if workspaces := {r[3].workspace for r in ranked if r[3].workspace}:
