@@ -669,7 +669,8 @@ class PeakMemory:
         """The run's peaks so far, for its checkpoints: a resumed run reports the peaks of all its parts."""
         return {k: copy.copy(getattr(self, k)) for k in self.RUN_FIELDS}
 
-    def load_run_state(self, state: dict) -> None:  # (and a window_state)
+    def load_run_state(self, state: dict) -> None:
+        """A checkpoint's ``run_state()``, or a stop's ``window_state()``."""
         for k, v in state.items():
             setattr(self, k, v)
 

@@ -476,10 +476,10 @@ class TrainingRun:
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         self.p = p = Progress.from_checkpoint(ckpt)
         p.accum_steps = _accum_from_here(p, self.strategy.accum_steps)
-        self.window.load_totals(p.totals)
+        self.window.restore(p.totals)
         self.peak.load_run_state(p.memory)
         if p.window:  # a stop's window: continued, to be logged whole
-            self.window.load_open(p.window["train"])
+            self.window.restore(p.window["train"])
             self.peak.load_run_state(p.window["memory"])
         if not restore_rng_state(ckpt, world.rank, self.conf["seed"]):
             log.info("rank %d: the checkpoint was written by %d rank(s); this rank draws a new random stream",

@@ -114,7 +114,8 @@ def check_pipeline_dir(key: str, name: str) -> None:
     again to translate)."""
     path = Path(name).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"{key}: {'not a' if path.exists() else 'no such'} directory; give a pipeline directory written by nlp.to_disk, or an "
+        what = "not a" if path.exists() else "no such"
+        raise ConfigError(f"{key}: {what} directory; give a pipeline directory written by nlp.to_disk, or an "
                           "installed pipeline's name (a run trained with a directory needs it to translate)")
     if not (path / "config.cfg").is_file():
         raise ConfigError(f"{key}: not a spaCy pipeline directory (no config.cfg); give one written by nlp.to_disk")

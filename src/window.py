@@ -82,8 +82,9 @@ class Window:
     def totals(self) -> dict:
         return {k: getattr(self, k) for k in self.TOTALS}
 
-    def load_totals(self, totals: dict) -> None:
-        for k, v in totals.items():
+    def restore(self, state: dict) -> None:
+        """A checkpoint's ``totals()``, or a stop's ``open_state()``."""
+        for k, v in state.items():
             setattr(self, k, v)
 
     OPEN = ("steps", "tgt_tokens", "src_tokens", "padded", "skipped", "flops", "pairs", "loss_tokens", "loss", "nll",
@@ -95,10 +96,6 @@ class Window:
         self.pause()
         state = {k: getattr(self, k) for k in self.OPEN}
         return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}  # (device sums)
-
-    def load_open(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
 
     def rates(self, total: bool = False) -> tuple[float, float, bool]:
         """Tokens (source and target) per second, model FLOP/s, and whether steps the memory tracker counted are
