@@ -82,6 +82,9 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         measured = dict(zip(PLAN_SIZES, sizes))
         shared = encoded.src_codec is encoded.tgt_codec
     src_len, tgt_len, src_vocab, tgt_vocab = (plan.get(k) or measured[k] for k in PLAN_SIZES)
+    if shared and src_vocab != tgt_vocab:  # (given: measured, the one vocabulary has one size)
+        raise ConfigError(f"plan.src_vocab={src_vocab}, plan.tgt_vocab={tgt_vocab}: tokenizer=xlmr has one vocabulary "
+                          "for both sides; give its size to both")
     if strategy.max_src_len:
         src_len = min(src_len, strategy.max_src_len)
     if strategy.max_tgt_len:

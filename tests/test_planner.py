@@ -349,6 +349,11 @@ def test_plan_refuses_sentences_longer_than_training_takes(capsys, caplog):
     # memory=trim_vocab planned the vocabularies given, untrimmed, as if trimming saved nothing: said
     assert plan.main(["model=tiny", "memory=trim_vocab", "plan.src_len=20", *sizes]) == 0
     assert "trim_vocab: not planned, as the vocabulary sizes are given" in capsys.readouterr().out
+    # XLM-R's one vocabulary was planned as two of the sizes given
+    assert plan.main(["model=tiny", "tokenizer=xlmr", "plan.src_len=20", "plan.tgt_len=20", "plan.src_vocab=800",
+                      "plan.tgt_vocab=700"]) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: plan.src_vocab=800, plan.tgt_vocab=700: tokenizer=xlmr "
+                                                    "has one vocabulary for both sides; give its size to both"]
 
 
 def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
