@@ -494,20 +494,10 @@ def _unknown_key(key: str, overrides: list[str]) -> str:
 
 def _options_with_key(key: str) -> list[str]:
     """The options of a group whose file sets ``key`` (``data.train_size``: data=synthetic's)."""
-    import yaml
-
     group, _, leaf = key.partition(".")
     if not leaf or "." in leaf or not (CONF / group).is_dir():
         return []
-    found = []
-    for option in _options(group):
-        text = (CONF / group / f"{option}.yaml").read_text(encoding="utf-8")
-        tree = yaml.safe_load(text) or {}
-        if "# @package _global_" in text:
-            tree = tree.get(group) or {}
-        if isinstance(tree, dict) and leaf in tree:
-            found.append(option)
-    return found
+    return [Path(f).stem for f in _files_setting(group, leaf) if Path(f).parent.name == group]  # (not presets)
 
 
 def _model_reads(key: str) -> bool:
