@@ -442,8 +442,6 @@ class TrainingRun:
         self.peak = PeakMemory(self.device, track=track, every=every)
         self.peak.watch(self.model, self.optimizer, buckets=ddp_bucket_bytes(trainer.net))
         trainer.ledger = self.peak.mark
-        # memory=fsdp: rank 0's unsharded copy for evaluation, built at the first one
-        self.plain: Transformer | None = None
 
     def _read_settings(self) -> None:
         """The trainer's settings the loop reads: when it stops, what it checkpoints, what a non-finite step does
@@ -757,17 +755,18 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------- evaluation
 
     def evaluation_model(self, model_state: dict | None = None) -> Transformer:
-        """The model to evaluate: the trained one, or under memory=fsdp a plain copy (with its gathered weights)."""
+        """The model to evaluate: the trained one, or under memory=fsdp a plain copy (with its gathered weights),
+        made for each evaluation and not kept: kept, rank 0 would hold the full weights beside its shards for the
+        rest of the run, which neither the ledger nor the planner counts."""
         if not self.strategy.fsdp:
             return self.model
-        if self.plain is None:
-            # its initial weights are overwritten at once: drawn from a fork of the generator, so that evaluating
-            # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
-            with torch.random.fork_rng(devices=[]):
-                self.plain = build_model(self.conf["model"], self.encoded).to(self.device)
+        # its initial weights are overwritten at once: drawn from a fork of the generator, so that evaluating
+        # leaves rank 0's random stream (dropout) where it was, as under DDP and in a resumed run
+        with torch.random.fork_rng(devices=[]):
+            plain = build_model(self.conf["model"], self.encoded).to(self.device)
         if model_state is not None:
-            self.plain.load_state_dict(model_state)
-        return self.plain
+            plain.load_state_dict(model_state)
+        return plain
 
     def run_eval(self) -> tuple[dict, dict] | None:
         """Validation. Data-parallel: on rank 0 alone, while the other ranks wait for its scores. memory=fsdp:

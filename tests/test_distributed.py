@@ -1,13 +1,16 @@
 """Data-parallel training under torchrun (gloo on the CPU): the same update as one process, one gradient
 synchronization per optimizer step, and a run of train.py whose files rank 0 alone writes."""
 
+import gc
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -255,6 +258,22 @@ def ddp_and_fsdp(tmp_path_factory, shared_cache) -> Path:
 
 def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").open()) if "loss" in r]
+
+
+def test_under_fsdp_rank_0_keeps_no_copy_of_the_full_model_after_an_evaluation(monkeypatch):
+    """memory=fsdp evaluates the gathered weights in a plain copy of the model, which is dropped after the
+    evaluation: kept (as it was until 2026-12-05), rank 0 held the full weights beside its shards for the rest of
+    the run, uncounted by the ledger and the planner."""
+    trained, _ = model_and_trainer(MemoryStrategy())
+    monkeypatch.setattr(src.run, "build_model", lambda model, encoded: type(trained)(trained.args))
+    run = SimpleNamespace(strategy=MemoryStrategy(fsdp=True), conf={"model": {}}, encoded=None,
+                          device=torch.device("cpu"))
+    evaluated = src.run.TrainingRun.evaluation_model(run, trained.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(evaluated.parameters(), trained.parameters(), strict=True))
+    dropped = weakref.ref(evaluated)
+    del evaluated
+    gc.collect()
+    assert dropped() is None
 
 
 @pytest.mark.slow
