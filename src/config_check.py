@@ -207,11 +207,23 @@ def _multirun(argv: list[str]) -> bool:
     return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
 
 
+ONE_PER_JOB = ("hydra.launcher.nodes", "hydra.launcher.tasks_per_node", "hydra.launcher.gpus_per_node",
+               "hydra.launcher.gpus_per_task")
+
+
 def check_launcher(argv: list[str]) -> None:
-    """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback."""
+    """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback. A job of several
+    processes or GPUs, which this project's jobs are not (each process would train the whole run, or GPUs would
+    sit idle), refused before it is submitted."""
     if _hydra_command(argv):
         return  # --cfg and the like print and launch nothing
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
+    if launcher in ("slurm", "submitit_slurm", "local", "submitit_local"):
+        for a in argv:  # one process per job: several would each train the whole run (distributed.check_one_slurm_task)
+            key, _, value = a.partition("=")
+            if key in ONE_PER_JOB and value.strip().isdigit() and int(value) > 1:
+                raise ConfigError(f"{a}: a job of the sweep is one process on one GPU; to train one run on several GPUs, run torchrun --nproc_per_node=N train.py "
+                                  "... inside a SLURM job of your own (README: More than one GPU)")
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
         raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "
                           "machine: run the command on the cluster, or leave the launcher out to run the jobs here")

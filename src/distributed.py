@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
 _host_group: dist.ProcessGroup | None = None  # gloo beside NCCL for World.any (None: the default group, gloo)
 # How long the other ranks wait for each machine's first to read and tokenize the corpus (World.local_main_first),
 # on a gloo group of their own: a WMT-sized corpus takes longer than the process group's 30 minutes, after which
@@ -43,6 +45,9 @@ class World:
     def device(self, device: torch.device) -> torch.device:
         """One GPU per rank: this rank's (LOCAL_RANK) when the run is on CUDA."""
         if device.type == "cuda" and self.distributed:
+            if self.local_rank >= (count := torch.cuda.device_count()):
+                raise ConfigError(f"torchrun started more processes on this machine than it has GPUs ({count} "
+                                  f"visible; this is LOCAL_RANK {self.local_rank}): --nproc_per_node={count}")
             return torch.device("cuda", self.local_rank)
         return device
 
@@ -120,9 +125,19 @@ def average_gradients(params, world: World, bucket_bytes: int = 25 * 2**20) -> i
 
 
 def world_from_env() -> World:
-    """What torchrun (or SLURM through submitit) set; a single process without it."""
+    """What torchrun set; a single process without it (a SLURM job of hydra/launcher=slurm is one)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     return World(rank=int(os.environ.get("RANK", "0")), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_one_slurm_task(world: World) -> None:
+    """A job of hydra/launcher=slurm is one process: SLURM's several tasks of one job would each train the whole
+    run, into one run directory. Several GPUs are torchrun's, started inside the job (README)."""
+    tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
+    if tasks > 1 and not world.distributed:
+        raise ConfigError(f"SLURM started {tasks} tasks of this job, each of which would train the whole run: a job "
+                          "is one process (hydra.launcher.tasks_per_node=1, nodes=1); to train on several GPUs, "
+                          "run torchrun --nproc_per_node=N train.py ... inside one task")
 
 
 @contextlib.contextmanager

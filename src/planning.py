@@ -71,6 +71,9 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     plan = conf.get("plan") or {}
     device = plan.get("device", "cuda")
     check_settings(conf)  # before the data is read
+    if strategy.fsdp and plan.get("world_size") == 1:
+        raise ConfigError("plan.world_size=1: memory=fsdp shards over 2 or more ranks (training refuses one); "
+                          "plan one process without memory=fsdp")
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
     if not sizes_given(plan):

@@ -34,6 +34,7 @@ from .data.encode import seq_lengths
 from .data.prepare import prepare_data
 from .distributed import (
     World,
+    check_one_slurm_task,
     ddp_bucket_bytes,
     full_state,
     fully_shard_net,
@@ -154,8 +155,10 @@ def train(cfg: DictConfig) -> dict:
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if world.main:
             summary["environment"] = environment(device)
+        check_one_slurm_task(world)
         if strategy.fsdp and not world.distributed:
-            raise ConfigError("memory=fsdp shards over the ranks of torchrun: torchrun --nproc_per_node=N train.py ...")
+            raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
+                              "torchrun --nproc_per_node=N train.py ..., N >= 2")
         with (process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]),
               attention_backends(conf["trainer"].get("attention"))):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run

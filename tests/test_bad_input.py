@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from src.config_check import check_command_line
+from src.distributed import World
 from src.errors import UserError
 from src.run import train
 
@@ -100,7 +101,7 @@ RUN = [
     ("batch size 0", ["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1"),
     ("heads that do not divide d_model", ["model.d_model=130"], "model.d_model=130 must be divisible by model.n_heads=4"),
     ("unknown initialization", ["model.init=normal"], "model.init=normal: expected xavier or fairseq"),
-    ("memory=fsdp without torchrun", ["memory=fsdp"], "memory=fsdp shards over the ranks of torchrun"),
+    ("memory=fsdp without torchrun", ["memory=fsdp"], "memory=fsdp shards over 2 or more ranks of torchrun (this run has 1)"),
     ("out-of-memory back-off under memory=fsdp", ["memory=fsdp", "memory.oom_retries=2"],
      "memory.oom_retries=2 with memory=fsdp: FSDP reduce-scatters gradients inside every backward pass"),
     ("no step or epoch limit", ["trainer.max_steps=null"], "set trainer.max_steps or trainer.max_epochs"),
@@ -349,6 +350,13 @@ def test_a_gpu_index_beyond_those_visible(monkeypatch):
         resolve_device("cuda:2")
     with pytest.raises(UserError, match=r"^trainer.device=cuda:x: expected auto, cpu, cuda or cuda:<index>$"):
         resolve_device("cuda:x")
+    # torchrun's ranks take a GPU each, by LOCAL_RANK: a rank past the GPUs failed in set_device with a traceback
+    assert World(rank=1, size=2, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 1)
+    with pytest.raises(UserError) as e:
+        World(rank=2, size=3, local_rank=2).device(torch.device("cuda"))
+    assert str(e.value) == ("torchrun started more processes on this machine than it has GPUs (2 visible; this is "
+                            "LOCAL_RANK 2): --nproc_per_node=2")
+    assert doc_cell(str(e.value)) in DOC.read_text()
 
 
 def test_bom_and_crlf_are_read_as_plain_text(tmp_path, caplog):
@@ -480,6 +488,10 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
                                                            "a run directory that is a file",
+                                                           "more torchrun processes than GPUs",
+                                                           # test_slurm.py
+                                                           "a sweep's job of several processes or GPUs",
+                                                           "a SLURM job of several tasks",
                                                            # test_config.py, test_sweeps.py: conf files of one's own
                                                            "an unknown key in an option file of one's own",
                                                            "a logger option with no logger behind it",

@@ -318,6 +318,8 @@ def test_plan_command_bad_override_is_one_line():
     ("plan.context_gb=-1", "plan.context_gb=-1: must be a number >= 0"),
     ("plan.src_len=0", "plan.src_len=0: must be an integer >= 1, or null"),
     ("model.dropout=1", "model.dropout=1: must be a number >= 0 and < 1"),
+    ("memory=fsdp plan.world_size=1", "plan.world_size=1: memory=fsdp shards over 2 or more ranks (training "
+     "refuses one); plan one process without memory=fsdp"),  # it planned a setting training refuses
     ("plan.gpu_gb=nan", "plan.gpu_gb=nan: must be a finite number"),  # "does NOT fit a nan GB card"
     ("plan.gpu_gb=inf", "plan.gpu_gb=inf: must be a finite number"),  # "fits a inf GB card"
     ("memory.accum_steps=65", "memory.accum_steps=65: more micro-batches than the 64 pairs of data.batch_size; at most "
@@ -326,7 +328,7 @@ def test_plan_command_bad_override_is_one_line():
 def test_plan_settings_are_checked_before_the_data_is_read(override, message, capsys, tmp_path):
     import plan
 
-    assert plan.main([override, f"paths.cache_dir={tmp_path}"]) == 1
+    assert plan.main([*override.split(), f"paths.cache_dir={tmp_path}"]) == 1
     assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
 

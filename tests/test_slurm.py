@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config_check import check_launcher
+from src.distributed import World, check_one_slurm_task
 from src.errors import ConfigError
 from src.faults import pass_on_signal, resume_setting, stop_on_signals
 
@@ -77,6 +78,32 @@ def test_a_slurm_sweep_off_the_cluster_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "srun").write_text("#!/bin/sh\n")
     (tmp_path / "srun").chmod(0o755)
     check_launcher(sweep)
+
+
+def test_a_job_of_several_processes_or_gpus_is_refused_before_it_is_submitted(monkeypatch):
+    """Nothing here reads SLURM's tasks or GPUs: 4 tasks of a job each trained the whole run (into one run
+    directory), and 3 of 4 GPUs sat idle. Refused on the command line, and in the job (a launcher file edited)."""
+    for launcher in ("slurm", "local"):
+        for key in ("tasks_per_node", "nodes", "gpus_per_node", "gpus_per_task"):
+            with pytest.raises(ConfigError, match=rf"^hydra.launcher.{key}=4: a job of the sweep is one process on "
+                                                  r"one GPU; to train one run on several GPUs, run torchrun"):
+                check_launcher(["-m", f"hydra/launcher={launcher}", f"hydra.launcher.{key}=4", "memory=none,amp"])
+    check_launcher(["-m", "hydra/launcher=local", "hydra.launcher.gpus_per_node=1", "memory=none,amp"])
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(ConfigError, match=r"^SLURM started 4 tasks of this job, each of which would train the "
+                                          r"whole run: a job is one process"):
+        check_one_slurm_task(World())
+    check_one_slurm_task(World(rank=1, size=4, local_rank=1))  # torchrun's ranks inside one task: one run
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    check_one_slurm_task(World())
+
+
+def test_the_local_preset_shows_its_jobs_a_gpu_and_does_not_stop_them_hourly():
+    """submitit's local executor showed a job no GPU (CUDA_VISIBLE_DEVICES empty: device=auto trained on the CPU)
+    and stopped it at its 60-minute limit, requeued, then failed after the third."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=local"], return_hydra_config=True)
+    assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.timeout_min >= 7 * 24 * 60
 
 
 def test_submitits_signal_waits_for_the_checkpoint_then_reaches_submitit():
