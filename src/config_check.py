@@ -344,6 +344,7 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
     exist is added to ``problems`` and left out, with the keys under it, until the rest composes. Raises
     ``ConfigError`` with the problems found where nothing is left to leave out."""
     from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ValidationError
 
     while True:
         try:
@@ -372,6 +373,9 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
                                 else _unknown_key(wrong, overrides))
             elif not wrong:
                 raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
+            elif isinstance(e.__cause__, ValidationError):  # a typed key (Hydra's, a launcher's): a value of another type
+                given = next((o for o in overrides if _sets(o, wrong)), wrong)
+                problems.append(f"{given}: {str(e.__cause__).splitlines()[0]}")
             else:
                 problems.append(_unknown_key(wrong, overrides))
         except (ValueError, TypeError) as e:  # what Hydra's defaults list raises on input it does not expect

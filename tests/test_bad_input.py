@@ -37,6 +37,9 @@ COMMAND_LINE = [
     ("a flag given where a number is expected", ["optim.label_smoothing=true"],
      "optim.label_smoothing=true: expected a number (the default is 0.1)"),
     ("a flag set to null", ["model.tie_embeddings=null"], "model.tie_embeddings=null: expected true or false"),
+    ("a launcher's or Hydra's setting of the wrong type",  # was "no such key"
+     ["-m", "hydra/launcher=slurm", "hydra.launcher.timeout_min=90.5", "memory=none,amp"],
+     "hydra.launcher.timeout_min=90.5: Value '90.5' of type 'float' could not be converted to Integer"),
     ("a sweep without -m", ["memory=amp,accum"], "memory=amp,accum: a list of values is a sweep; add -m"),
     ("override without a value", ["memory.accum_steps"], "Error parsing override 'memory.accum_steps': missing EQUAL "
      "at '<EOF>' (overrides are key=value)"),
