@@ -436,9 +436,11 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
         assert -0.01 < (step.peak_bytes - peaks["fsdp_step"]["peak"]) / peaks["fsdp_step"]["peak"] < 0.02
 
 
-def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own():
+def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
     """trainer.device=cuda:1 in one process stays on cuda:1 (not moved to cuda:0, beside another job); under
-    torchrun each rank takes its LOCAL_RANK's GPU. No GPU is needed: devices are only named."""
+    torchrun each rank takes its LOCAL_RANK's GPU (of those visible: tests/test_bad_input.py). No GPU is needed:
+    devices are only named."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert World().device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert World(rank=3, size=4, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 1)
     assert World(rank=1, size=2, local_rank=1).device(torch.device("cpu")) == torch.device("cpu")
