@@ -117,7 +117,8 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         dropped = round(self.p * 65536)  # of 65536 equally likely 16-bit values
-        if not self.training or x.device.type != "cpu" or self.inplace or not 0 < dropped < 65536:
+        if (not self.training or x.device.type != "cpu" or self.inplace or not 0 < dropped < 65536
+                or torch.compiler.is_compiling()):  # (Dynamo does not trace random_: a graph break at every dropout)
             return super().forward(x)
         n = x.numel()
         coins = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)

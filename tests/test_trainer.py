@@ -364,6 +364,22 @@ def test_compiled_step_gives_the_eager_update(one_batch_update):
     torch._dynamo.reset()
 
 
+def test_a_compiled_step_with_dropout_is_one_graph(monkeypatch):
+    """On the CPU the model's dropout draws its coins with ``random_``, which Dynamo does not trace: compiled, the
+    step broke into a graph at every dropout (11 graphs for a 1+1-layer model). Compiling, it is nn.Dropout's.
+    Dynamo's own backend, as below."""
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager", **kw))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, trainer = model_and_trainer(MemoryStrategy(accum_steps=2), dropout=0.1)
+    trainer.compile()
+    trainer.step(micro_batches(make_split(), 2))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def test_a_compiled_step_with_the_chunked_loss_gives_the_eager_update(one_batch_update, monkeypatch):
     """trainer.compile with memory=chunked_ce: the layers compiled, the checkpointed chunks run eagerly (traced,
     they stopped the run at step 1 with an AssertionError from Dynamo). Dynamo's own backend, as below."""
