@@ -49,7 +49,8 @@ from src.fileio import write_json, write_text  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by a name fragment.
-DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0,
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.6,
+                         "H100": 989.4, "A100": 312.0,
                          "L40S": 362.1, "A10G": 70.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
 
 

@@ -141,6 +141,9 @@ def main() -> None:
         results[name] = r
         print(name, r, flush=True)
         write(results, [n for n in configs if n in results], Path(args.out))  # each run's figures as it ends
+    # measured again after the runs: the rate moves with the hour (and train.py runs in a process of its own)
+    results["matmul_fp32_gflops_after"] = round(matmul_rate(torch.float32) / 1e9, 1)
+    write(results, list(configs), Path(args.out))
     print((Path(args.out) / "results.md").read_text(), end="")
 
 
@@ -149,16 +152,21 @@ def write(results: dict, configs: list[str], out: Path) -> None:
     write_json(out / "results.json", results)
     lines = [f"{results['date']}, commit {results['commit']}, {results['machine']}, torch {results['torch']}, "
              f"{results['threads']} threads; "
-             f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s.", "",
-             "| run | tokens/s (src+tgt, after the warm-up) | words/s (without </s>) | s/step | peak RSS (MB) | "
-             "loss at last step | test BLEU | decode test (s) | GFLOP/step | achieved GFLOP/s | of matmul rate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"fp32 matrix products {results['matmul_fp32_gflops']:.0f} GFLOP/s before the runs"
+             + (f", {after:.0f} after them" if (after := results.get("matmul_fp32_gflops_after")) else "")
+             + " (run.py's process; the fraction is of the rate before).", "",
+             "| run | words/s (src+tgt, the issue's unit, after the warm-up) | tokens/s (with each side's </s>) | s/step "
+             "| peak RSS (MB) | loss at last step | test BLEU | decode test (s) | GFLOP/step | MFLOP/token | "
+             "achieved GFLOP/s | of matmul rate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in configs:
         r = results[name]
-        lines.append(f"| {name} ({r['steps']} steps, timed after {r['timed_after_step']}) | {r['tokens_per_s']:,.0f} | "
-                     f"{r['words_per_s']:,.0f} | {r['s_per_step']:.3f} | "
+        per_token = r["gflops_per_step"] * 1e3 / (r["tokens_per_s"] * r["s_per_step"])  # a token: src or tgt, </s> too
+        lines.append(f"| {name} ({r['steps']} steps, timed after {r['timed_after_step']}) | {r['words_per_s']:,.0f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['s_per_step']:.3f} | "
                      f"{r['peak_rss_mb']:,.0f} | {r['loss_last']:.3f} | {r['test_bleu']:.2f} | {r['test_decode_s']:.2f} | "
-                     f"{r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['fraction_of_matmul_rate']:.1%} |")
+                     f"{r['gflops_per_step']:.1f} | {per_token:.1f} | {r['achieved_gflops']:.1f} | "
+                     f"{r['fraction_of_matmul_rate']:.1%} |")
     tokenized = [f"{name} {results[name]['tokenizing_peak_rss_mb']:,.0f} MB" for name in configs
                  if results[name].get("tokenizing_peak_rss_mb")]
     if tokenized:
