@@ -27,15 +27,19 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ConfigError
+from .errors import ConfigError, check_number
 from .fileio import atomic_path
 
 log = logging.getLogger(__name__)
 
-# Run summaries W&B derives from the logged rows (define_metric); the final summary leaves these keys alone. Not
-# tokens_per_s: the mean of the windows' rates is not the run's rate (all its tokens over all its time), which
-# summary.json and the sweep report give and the final summary writes.
-METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max"}
+# Run summaries W&B derives from the logged rows (define_metric); the final summary writes summary.json's figure
+# into each, in the shape W&B gives it ({"max": ...}). For tokens_per_s that replaces W&B's plain mean of the
+# windows' rates with the run's rate (all its tokens over all its time): the mean of the windows weighted by their
+# time, the figure summary.json and the sweep report give.
+METRIC_SUMMARIES = {"valid_bleu": "max", "peak_memory_mb": "max", "tokens_per_s": "mean"}
+# Set when W&B's server did not answer a job of this process: the later jobs of a sweep fail at once, not after
+# waiting as long again each
+_server_unanswered: str | None = None
 SAMPLE_COLUMNS = ["step", "source", "reference", "hypothesis"]
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb's (the last two: legacy names)
 WANDB_ID_FILE = "wandb_run_id"  # in the run directory: the W&B run a resumed run continues
@@ -123,8 +127,17 @@ class WandbLogger:
         run_id = None
         if resuming and id_file.is_file():
             run_id = id_file.read_text(encoding="utf-8").strip() or None
+        global _server_unanswered
+        if _server_unanswered and mode == "online":
+            raise ConfigError(f"{_server_unanswered} (as for an earlier job of this process)")
+        # W&B's own error reports, sent to its Sentry where online: off unless WANDB_ERROR_REPORTING says otherwise
+        # (without a network they filled the log with urllib3's warnings around the one line that matters)
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        timeout = settings.get("init_timeout", 90)
+        check_number("logger.wandb.init_timeout", timeout, 0, strict=True)
         try:
             self.run = wandb.init(
+                settings=wandb.Settings(init_timeout=timeout),
                 id=run_id,
                 resume="allow" if run_id and mode == "online" else None,  # offline, W&B warns that it ignores it
                 project=settings.get("project"),
@@ -144,6 +157,11 @@ class WandbLogger:
                 raise ConfigError(f"logger.wandb.project={settings.get('project')}: {message}") from None
             hint = " (or use logger.wandb.mode=offline: no account needed)" if mode == "online" else ""
             raise ConfigError(f"{source}={mode}: {message}{hint}") from None
+        except wandb.errors.CommError as e:  # the server did not answer within init_timeout: no network, say
+            _server_unanswered = (f"{source}={mode}: W&B's server did not answer within logger.wandb.init_timeout="
+                                  f"{timeout} s ({str(e).splitlines()[0]}); log with logger.wandb.mode=offline "
+                                  "and upload later with `wandb sync <run dir>/wandb/offline-run-*`")
+            raise ConfigError(_server_unanswered) from None
         if mode != "disabled":
             with atomic_path(id_file) as tmp:
                 tmp.write_text(self.run.id + "\n", encoding="utf-8")

@@ -137,6 +137,7 @@ def train(cfg: DictConfig) -> dict:
     conf: dict | None = None
     held = contextlib.ExitStack()  # this process's hold on run_dir (hold_run_dir), until summary.json is written
     busy = False  # another live process holds run_dir: this one writes nothing there
+    logger_failed = False  # the logger itself could not start
 
     def start_logger(resuming: bool) -> RunLogger:
         """The run's config.yaml and its logger (metrics.jsonl, W&B)."""
@@ -171,11 +172,15 @@ def train(cfg: DictConfig) -> dict:
 
             def begin() -> RunLogger | NullLogger:
                 """The run starts: its config and its logger (metrics.jsonl, W&B), on rank 0."""
-                nonlocal claimed, logger
+                nonlocal claimed, logger, logger_failed
                 claimed = True
                 if not world.main:
                     return NullLogger()
-                logger = start_logger(resuming=continues_here)
+                try:
+                    logger = start_logger(resuming=continues_here)
+                except Exception:
+                    logger_failed = True  # not started again to record the failure (W&B's server waited for once)
+                    raise
                 return logger
 
             if not continues_here:  # from step 0, or from another run's checkpoint (ckpt_path): a fresh start here
@@ -211,7 +216,8 @@ def train(cfg: DictConfig) -> dict:
         writes = world.main and not busy and (claimed or not holds_earlier_run(run_dir))
         if writes:
             write_json(run_dir / "summary.json", summary)
-        if writes and logger is None and conf is not None and summary["status"] in ("failed", "oom"):
+        if (writes and logger is None and not logger_failed and conf is not None
+                and summary["status"] in ("failed", "oom")):
             # stopped by a setting before the run began (model.n_heads=3 in a sweep, say): its config and W&B run
             # record the failure too, as those of a run that failed later do
             try:

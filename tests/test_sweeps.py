@@ -69,10 +69,12 @@ def test_multirun_logs_one_complete_wandb_run_per_job(tmp_path, shared_cache):
         speeds = [r["tokens_per_s"] for r in train_rows]
         assert w["summary"]["valid_bleu"] == {"max": pytest.approx(max(bleus))}
         assert w["summary"]["peak_memory_mb"] == {"max": pytest.approx(max(r["peak_memory_mb"] for r in train_rows))}
-        assert {m: w["metrics"][m].summary.max for m in w["metrics"]} == {"valid_bleu": True, "peak_memory_mb": True}
-        # the run's rate, as summary.json and the report have it: all its tokens over all its training time (the
-        # mean of the windows' rates, which W&B would derive, is another figure)
-        assert w["summary"]["tokens_per_s"] == summary["tokens_per_s"] != pytest.approx(statistics.mean(speeds))
+        assert {m: (w["metrics"][m].summary.max, w["metrics"][m].summary.mean) for m in w["metrics"]} == {
+            "valid_bleu": (True, False), "peak_memory_mb": (True, False), "tokens_per_s": (False, True)}
+        # throughput's mean: the run's rate, as summary.json and the report have it, all its tokens over all its
+        # training time (the windows' rates weighted by their time), not W&B's plain mean of the windows' rates
+        assert w["summary"]["tokens_per_s"] == {"mean": summary["tokens_per_s"]}
+        assert summary["tokens_per_s"] != pytest.approx(statistics.mean(speeds))
         assert summary["tokens_per_s"] == pytest.approx(
             sum(r["src_tokens"] + r["tgt_tokens"] for r in train_rows) / sum(r["window_s"] for r in train_rows),
             rel=1e-3)
@@ -618,6 +620,37 @@ def test_wandb_modes(tmp_path, monkeypatch):
     assert not (tmp_path / "csv").exists()
     RunLogger(tmp_path / "off", {"wandb": False}, {"a": 1}, name="none").finish({"status": "completed"})
     assert not (tmp_path / "off" / "wandb").exists() and (tmp_path / "off" / "metrics.jsonl").exists()
+
+
+def test_online_a_server_that_does_not_answer_is_waited_for_once_a_process(tmp_path, monkeypatch, shared_cache):
+    """W&B's server out of reach (no network): wandb.init raises CommError after init_timeout. It was a traceback,
+    after waiting twice (the failed run started its logger again to record the failure), and again in each job of
+    a sweep: now one line, once, and the next job of the process fails at once. wandb.init is replaced."""
+    import wandb
+
+    from src import loggers
+
+    monkeypatch.setattr(loggers, "_server_unanswered", None)
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs["settings"].init_timeout)
+        raise wandb.errors.CommError("Timed out initializing run: POST https://api.wandb.ai/graphql giving up\nmore")
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.delenv("WANDB_MODE")
+    said = ("logger.wandb.mode=online: W&B's server did not answer within logger.wandb.init_timeout=7 s (Timed out "
+            "initializing run: POST https://api.wandb.ai/graphql giving up); log with logger.wandb.mode=offline and "
+            "upload later with `wandb sync <run dir>/wandb/offline-run-*`")
+    for job, after in ((0, ""), (1, " (as for an earlier job of this process)")):
+        cfg = compose_config(*FAST, "logger=wandb", "logger.wandb.mode=online", "logger.wandb.init_timeout=7",
+                             run_dir=tmp_path / str(job), cache_dir=shared_cache)
+        with pytest.raises(ConfigError) as e:
+            train(cfg)
+        assert str(e.value) == said + after
+        summary = json.loads((tmp_path / str(job) / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["error"] == said + after
+    assert calls == [7]  # waited for once: not again to record the failure, nor in the next job
 
 
 def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):
