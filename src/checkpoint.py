@@ -123,7 +123,8 @@ def unreadable_because(e: Exception) -> str:
     holds more than tensors and plain values: they advise loading it with weights_only=False, which runs its code."""
     if isinstance(e, pickle.UnpicklingError):
         return "not a checkpoint written by train.py: it holds other data than tensors and plain values, or none"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    # its first sentence: a torn zip's goes on for four about corruption, in every warning and error naming it
+    return f"{type(e).__name__}: {str(e).splitlines()[0].split('. ')[0] if str(e) else ''}"
 
 
 def _run_step(ckpt: dict) -> tuple[str | None, int | None]:

@@ -176,6 +176,9 @@ def train(cfg: DictConfig) -> dict:
                 claimed = True
                 if not world.main:
                     return NullLogger()
+                if continues_here:  # the earlier attempt's results: this one's are written at its end (or failure)
+                    for name in ("summary.json", "test.hyp.txt"):
+                        (run_dir / name).unlink(missing_ok=True)
                 try:
                     logger = start_logger(resuming=continues_here)
                 except Exception:

@@ -157,23 +157,39 @@ def prune(ckpt_dir: Path, keep: int, every: int | None = None, final: int | None
         path.unlink(missing_ok=True)
 
 
-TRAINING_STATE = {"progress", "model", "optimizer", "scheduler"}  # what a step checkpoint holds to resume from
+# what a step checkpoint holds to resume from
+TRAINING_STATE = {"progress", "model", "optimizer", "scheduler", "scaler", "rng"}
 
 
 def is_training_state(state) -> bool:
-    return isinstance(state, dict) and state.keys() >= TRAINING_STATE
+    """A checkpoint train.py can resume from: its parts, and a step (without one, Progress took step 0, and the
+    resumed run removed the later checkpoints, the one it resumed from among them)."""
+    return (isinstance(state, dict) and state.keys() >= TRAINING_STATE and isinstance(state["progress"], dict)
+            and isinstance(state["progress"].get("step"), int))
+
+
+def nonfinite_tensor(state: dict) -> str | None:
+    """The first weight or optimizer state of a checkpoint that is NaN or infinite (bytes changed on disk that
+    still load: resumed, every step was skipped as non-finite), by name; None when all are finite."""
+    named = [*state["model"].items(),
+             *((f"optimizer state {k}.{n}", t) for k, v in state["optimizer"].get("state", {}).items()
+               for n, t in v.items())]
+    return next((name for name, t in named if torch.is_tensor(t) and t.is_floating_point()
+                 and not bool(torch.isfinite(t).all())), None)
 
 
 def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tuple[Path, dict] | None:
     """The checkpoint to resume from and its contents: with ``resume=auto`` the newest readable one in ``ckpt_dir``,
     the run's own; else (or where it has none yet) ``ckpt_path`` if given; else None, a fresh start. A requeued
     job started from another run's checkpoint (``ckpt_path``) so continues from its own, not from that one."""
-    if resume == "auto" and (own := newest_readable(ckpt_dir)) is not None:
+    if resume == "auto" and (own := newest_readable(ckpt_dir, "trainer.resume=never starts over and removes "
+                                                             "them")) is not None:
         return own
     if ckpt_path:
         path = Path(ckpt_path).expanduser()
         if path.is_dir():  # a run directory (or its checkpoints/): the newest checkpoint it holds
-            found = newest_readable(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+            found = newest_readable(path / "checkpoints" if (path / "checkpoints").is_dir() else path,
+                                    f"ckpt_path={ckpt_path}: name a readable checkpoint")
             if found is None:
                 raise ConfigError(f"ckpt_path={ckpt_path}: a directory without a readable checkpoint (step_<N>.pt "
                                   "or best.pt); name a run directory or a checkpoint file")
@@ -190,31 +206,43 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
         if not is_training_state(state):
             raise ConfigError(f"ckpt_path={ckpt_path}: not a training checkpoint of train.py (it lacks the "
                               f"{', '.join(sorted(TRAINING_STATE))} a run resumes from: a bare state_dict?)")
+        if name := nonfinite_tensor(state):
+            raise ConfigError(f"ckpt_path={ckpt_path}: {name} holds NaN or infinite values")
         return path, state
     if resume not in (None, "never", "auto"):
         raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
     return None
 
 
-def newest_readable(ckpt_dir: Path) -> tuple[Path, dict] | None:
+def newest_readable(ckpt_dir: Path, hint: str) -> tuple[Path, dict] | None:
     """The newest step checkpoint in ``ckpt_dir`` that can be read, and its contents; each one passed over is
     named in a warning. ``best.pt`` is one of them, by its step (a whole training state too): with
-    trainer.save_every above eval_every it can be the newest a killed run left."""
+    trainer.save_every above eval_every it can be the newest a killed run left. None where there is none; where
+    none of them can be read, a ConfigError that names each and why, ending with ``hint``: a failure that is not
+    the files' own (the host out of memory, a network file system's error) must not start the run over."""
     candidates = step_checkpoints(ckpt_dir)
     best = ckpt_dir / "best.pt"
     best_step = checkpoint_step(best) if best.is_file() else None
     if best_step is not None:  # by its step among them; a step checkpoint of the same step comes first
         candidates = sorted([*candidates, (best_step, best)], key=lambda c: (c[0], c[1] != best), reverse=True)
+    passed = []
     for _, path in candidates:
         try:
             state = load_checkpoint(path)
         except Exception as e:
-            log.warning("%s is unreadable (%s); trying the previous checkpoint", path, unreadable_because(e))
-            continue
-        if not is_training_state(state):
-            log.warning("%s is not a training checkpoint; trying the previous one", path)
-            continue
-        return path, state
+            why = unreadable_because(e)
+        else:
+            if not is_training_state(state):
+                why = "not a whole training checkpoint"
+            elif name := nonfinite_tensor(state):
+                why = f"{name} holds NaN or infinite values"
+            else:
+                return path, state
+        log.warning("%s is unreadable (%s); trying the previous checkpoint", path, why)
+        passed.append(f"{path.name}: {why}")
+    if passed:
+        raise ConfigError(f"{ckpt_dir}: none of its {len(passed)} checkpoints can be read ({'; '.join(passed)}); "
+                          f"nothing was removed: {hint}")
     return None
 
 

@@ -3,6 +3,7 @@ truncated checkpoint is passed over, and NaN losses are skipped or stop the run.
 
 import json
 import logging
+import math
 import signal
 from pathlib import Path
 
@@ -225,6 +226,47 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= ckpt.keys()
 
 
+def test_resume_auto_passes_over_checkpoints_that_load_but_cannot_be_resumed(fast_cfg, caplog):
+    """Bytes changed on disk that still load: NaN weights (resumed, every step was skipped as non-finite, then
+    decoding raised), and a checkpoint without its step (resumed "at step 0", the run removed the later checkpoints,
+    the one it resumed from among them) or without its random state (a KeyError traceback)."""
+    steps = ["trainer.max_steps=8", "trainer.save_every=2", "trainer.eval_every=8", "trainer.keep_last=4"]
+    cfg = fast_cfg(*steps)
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    for step, damage in ((8, "rng"), (6, "step"), (4, "nan")):
+        path = ckpts / f"step_{step:08d}.pt"
+        state = load_checkpoint(path)
+        if damage == "rng":
+            del state["rng"]
+        elif damage == "step":
+            del state["progress"]["step"]
+        else:
+            next(iter(state["model"].values())).fill_(float("nan"))
+        torch.save(state, path)
+    (ckpts / "best.pt").unlink()
+    with caplog.at_level(logging.WARNING):
+        summary = train(fast_cfg(*steps, "trainer.resume=auto"))
+    assert summary["resumed_from"] == {"path": str(ckpts / "step_00000002.pt"), "step": 2}
+    assert "step_00000008.pt is unreadable (not a whole training checkpoint)" in caplog.text
+    assert "step_00000006.pt is unreadable (not a whole training checkpoint)" in caplog.text
+    assert "step_00000004.pt is unreadable (src_embed.tokens.weight holds NaN or infinite values)" in caplog.text
+    assert summary["status"] == "completed" and summary["steps"] == 8 and math.isfinite(summary["test_bleu"])
+
+
+def test_a_resumed_attempt_removes_the_earlier_attempts_summary_when_it_starts(tmp_path, shared_cache):
+    """A resumed attempt killed outright (SIGKILL: no summary of its own) left the earlier attempt's summary.json
+    ("completed" at step 6) and test.hyp.txt beside checkpoints and metrics of later steps."""
+    common = [*FAST, "trainer.save_every=2", f"paths.cache_dir={shared_cache}"]
+    run = tmp_path / "run"
+    train(compose_config(*common, "trainer.max_steps=6", "trainer.eval_every=6", run_dir=run))
+    assert (run / "summary.json").exists() and (run / "test.hyp.txt").exists()
+    proc = run_cli("train.py", *common, "trainer.max_steps=10", "trainer.eval_every=10", "trainer.resume=auto",
+                   "fault.kind=kill", "fault.at_step=8", f"hydra.run.dir={run}")
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run / "summary.json").exists() and not (run / "test.hyp.txt").exists()
+
+
 def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, caplog):
     cfg = fast_cfg("trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=6")
     train(cfg)
@@ -370,10 +412,16 @@ def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, t
 
     for path in (run / "checkpoints").glob("*.pt"):  # best.pt too: an intact one would be resumed from
         path.write_bytes(path.read_bytes()[:1000])
+    # none readable: resume=auto removes nothing and stops (it started over, removing them: a failure that is not
+    # the files' own, the host out of memory say, cost the run)
+    with pytest.raises(ConfigError, match=r"checkpoints: none of its 3 checkpoints can be read \(step_00000006.pt: "
+                                          r".*; nothing was removed: trainer.resume=never starts over and removes them$"):
+        train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"))
+    assert len(list((run / "checkpoints").glob("*.pt"))) == 4 and len(losses(run)) == 6  # best.pt among them
     with caplog.at_level(logging.WARNING):
-        summary = train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=auto"))
+        summary = train(fast_cfg(*steps, "trainer.max_steps=4", "trainer.eval_every=4", "trainer.resume=never"))
     assert "resumed_from" not in summary and summary["steps"] == 4
-    assert any("removed the 3 unreadable checkpoints" in r.message for r in caplog.records)
+    assert any("removed the 3 checkpoints" in r.message for r in caplog.records)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == ["step_00000002.pt", "step_00000004.pt"]
     assert sorted(losses(run)) == [1, 2, 3, 4]
     second_id = (run / "wandb_run_id").read_text()
