@@ -586,6 +586,22 @@ def _check_type(key: str, default, value) -> None:
         raise ConfigError(f"{key}={typed}: expected {want} (the default is {shown}){quote}")
 
 
+def check_presets_are_global(conf: dict) -> None:
+    """A preset's file without '# @package _global_' (or one that is not a mapping): its keys landed under
+    ``experiment.`` (``debug.``), which nothing reads, and the run trained on the defaults without a word."""
+    from hydra.core.hydra_config import HydraConfig
+
+    for group in PRESETS:
+        if conf.get(group) in (None, {}):
+            continue
+        given = conf[group]
+        keys = ", ".join(f"{group}.{k}" for k in given) if isinstance(given, dict) else f"{group}: {given!r}"
+        choice = HydraConfig.get().runtime.choices.get(group) if HydraConfig.initialized() else None
+        raise ConfigError(f"{group}={choice or '...'}: its settings landed under {group} ({keys}), which nothing "
+                          f"reads: options of {group} set other groups' keys, so their files start with the line "
+                          f"'# @package _global_' (as conf/{group}/'s do)")
+
+
 def check_known_keys(group: str, given, known) -> None:
     """Refuses a key of a config group's option file (or of a preset) that nothing reads: a typo in a file of one's
     own (``encoder_layer``) would otherwise fail deep in a constructor after the corpus is read, and a key of another

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from . import planner
-from .config_check import check_known_keys
+from .config_check import check_known_keys, check_presets_are_global
 from .data.corpus import check_data
 from .errors import ConfigError, check_int, check_number, string_hint
 from .faults import check_fault
@@ -187,6 +187,7 @@ def _position(cfg: DictConfig, key: str) -> list[int]:
 def check_settings(conf: dict) -> None:
     """Every setting that can be checked without the data, in train.py and plan.py alike: the trainer, model,
     optimizer, data, tokenizer and plan groups, and the batch size (memory's are checked by ``memory_strategy``)."""
+    check_presets_are_global(conf)
     check_trainer(conf["trainer"])
     check_model(conf["model"])
     check_optim(conf["optim"])

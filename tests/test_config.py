@@ -10,6 +10,7 @@ from src.errors import ConfigError
 from src.memory import memory_strategy
 
 from .conftest import CONF, FAST, compose_config
+from .helpers import run_cli
 
 GROUPS = ["model", "tokenizer", "data", "memory", "optim", "trainer", "logger", "paths", "debug"]
 # data=files has mandatory paths (???); give them so the whole config resolves
@@ -102,6 +103,20 @@ def test_bad_memory_settings_name_the_key(memory, message):
         memory_strategy(memory)
 
 
+def test_a_preset_of_ones_own_without_the_global_package_line_is_refused(tmp_path):
+    """Without '# @package _global_' a preset's keys land under experiment., which nothing reads: the run trained
+    its 2,000 default steps on the defaults, without a word."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_text("trainer:\n  max_steps: 3\n")
+    proc = run_cli("train.py", f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 1
+    assert ("error: experiment=mine: its settings landed under experiment (experiment.trainer), which nothing reads: "
+            "options of experiment set other groups' keys, so their files start with the line '# @package _global_' "
+            "(as conf/experiment/'s do)") in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_missing_mandatory_key_is_named(tmp_path):
     from src.errors import ConfigError
     from src.run import train
@@ -142,8 +157,6 @@ def test_a_model_file_of_ones_own_with_a_typo_is_named_before_the_data(tmp_path,
 def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_path):
     """hydra.searchpath=[file:///my/conf]: its options compose in the command line's check (model=medium was a
     MissingConfigException traceback, the check composing conf/ alone), and a typo in its file names that file."""
-    from .helpers import run_cli
-
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "medium.yaml").write_text("defaults:\n  - small\n  - _self_\nname: medium\nencoder_layers: 5\n")
     (tmp_path / "model" / "typo.yaml").write_text("defaults:\n  - small\n  - _self_\nname: typo\nencoder_layer: 5\n")
