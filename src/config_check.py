@@ -343,6 +343,7 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
     """The config composed from ``overrides``, and the overrides it was composed from: a key or option that does not
     exist is added to ``problems`` and left out, with the keys under it, until the rest composes. Raises
     ``ConfigError`` with the problems found where nothing is left to leave out."""
+    import yaml
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import ValidationError
 
@@ -378,12 +379,32 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
                 problems.append(f"{given}: {str(e.__cause__).splitlines()[0]}")
             else:
                 problems.append(_unknown_key(wrong, overrides))
+        except yaml.MarkedYAMLError as e:  # a config file of one's own that is not YAML
+            mark = e.problem_mark
+            where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a config file"
+            raise ConfigError("\n".join([*problems, f"{where}: {e.problem or e.context}"])) from None
+        except UnicodeDecodeError as e:  # (Hydra's reader does not say which file)
+            roots = [_PRIMARY[0], *(Path(f.removeprefix("file://")) for o in _searchpath(overrides)
+                                    for f in o.split("=", 1)[1].strip("[]").replace("'", "").split(",")
+                                    if f.startswith("file://"))]
+            undecodable = next((str(path) for root in roots for path in sorted(root.rglob("*.yaml"))
+                                if not _decodes(path)), "a config file")
+            raise ConfigError("\n".join([*problems, f"{undecodable}: not UTF-8 text ({e.reason} at byte "
+                                                     f"{e.start}); save it as UTF-8"])) from None
         except (ValueError, TypeError) as e:  # what Hydra's defaults list raises on input it does not expect
             raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
         rest = [o for o in overrides if not _sets(o, wrong)]
         if len(rest) == len(overrides):  # nothing to leave out: what is known so far
             raise ConfigError("\n".join(problems))
         overrides = rest
+
+
+def _decodes(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+        return True
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _group_problem(override: str) -> str | None:

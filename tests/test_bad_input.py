@@ -498,6 +498,8 @@ def test_the_docs_table_lists_every_case_tried():
                                                            # test_config.py, test_sweeps.py: conf files of one's own
                                                            "an unknown key in an option file of one's own",
                                                            "a preset of one's own without its package line",
+                                                           "a config file of one's own that is not YAML",
+                                                           "a config file of one's own that is not UTF-8",
                                                            "a logger option with no logger behind it",
                                                            "a run directory another process is running in",  # test_resume.py
                                                            "resuming another model's checkpoint",  # test_resume.py

@@ -117,6 +117,22 @@ def test_a_preset_of_ones_own_without_the_global_package_line_is_refused(tmp_pat
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("text, message", [
+    (b"# @package _global_\ntrainer:\n  max_steps: 3\n   eval_every: 2\n",
+     "{file}:4:14: mapping values are not allowed here"),
+    (b"# @package _global_\nseed: 5\nseed: 6\n", "{file}:3:1: found duplicate key seed"),
+    (b"# @package _global_\nseed: 5 # caf\xe9\n",
+     "{file}: not UTF-8 text (invalid continuation byte at byte 33); save it as UTF-8"),
+])
+def test_a_config_file_of_ones_own_that_does_not_read_is_named_in_one_line(tmp_path, text, message):
+    """YAML that does not parse was a page of yaml's traceback; a file in Latin-1, a line without the file."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "mine.yaml").write_bytes(text)
+    with pytest.raises(ConfigError) as e:
+        check_command_line([f"hydra.searchpath=[file://{tmp_path}]", "experiment=mine"])
+    assert str(e.value) == message.format(file=tmp_path / "experiment" / "mine.yaml")
+
+
 def test_missing_mandatory_key_is_named(tmp_path):
     from src.errors import ConfigError
     from src.run import train
