@@ -9,6 +9,7 @@ are rows of their own with the reason; a job killed before writing its summary i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -41,6 +42,7 @@ class Job:
     varying: frozenset[str] = frozenset()  # its overrides that other jobs of the sweep do not share
     log_error: str | None = None  # without a summary: the last error its log (Hydra's train.log) recorded
     earlier_summary: bool = False  # a sweep launched again: its summary.json is the earlier launch's, left out
+    damaged: str | None = None  # a file of the job that does not read (left out of the figures): why
 
     @property
     def status(self) -> str | None:
@@ -144,24 +146,35 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             candidates = [p for p in candidates if p not in earlier]
     jobs = []
     for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
-        summary = _read_json(path / "summary.json")
-        earlier_summary = launched is not None and bool(summary) and _newest(path, "summary.json") < launched
-        if earlier_summary:
-            summary = {}  # the earlier launch's: this one was refused, or killed, before it wrote its own
-        metrics = _read_jsonl(path / "metrics.jsonl")
-        if launched is not None and metrics and _newest(path, "metrics.jsonl") < launched:
-            metrics = []  # the earlier launch's rows: this job logged none
-        overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
-        config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
-        # e.g. a resume refused before the run began, which leaves the directory as it was
-        log_error = _last_logged_error(_job_log(path), launched) if not summary else None
-        jobs.append(Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error,
-                        earlier_summary=earlier_summary))
+        try:
+            jobs.append(_load_job(path, launched))
+        except DataError as e:  # one job's damaged file: the others are still reported
+            log.warning("job %s left out of the figures: %s", path.name, e)
+            overrides = []
+            with contextlib.suppress(DataError):
+                overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []
+            jobs.append(Job(path.name, path, overrides=list(overrides), damaged=str(e)))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:
         job.varying = frozenset(o for o in job.overrides if o not in shared)
     return jobs
+
+
+def _load_job(path: Path, launched: float | None) -> Job:
+    summary = _read_json(path / "summary.json")
+    earlier_summary = launched is not None and bool(summary) and _newest(path, "summary.json") < launched
+    if earlier_summary:
+        summary = {}  # the earlier launch's: this one was refused, or killed, before it wrote its own
+    metrics = _read_jsonl(path / "metrics.jsonl")
+    if launched is not None and metrics and _newest(path, "metrics.jsonl") < launched:
+        metrics = []  # the earlier launch's rows: this job logged none
+    overrides = summary.get("overrides") or _read_yaml(path / ".hydra" / "overrides.yaml") or []
+    config = _read_yaml(path / "config.yaml") or _read_yaml(path / ".hydra" / "config.yaml") or {}
+    # e.g. a resume refused before the run began, which leaves the directory as it was
+    log_error = _last_logged_error(_job_log(path), launched) if not summary else None
+    return Job(path.name, path, summary, config, list(overrides), metrics, log_error=log_error,
+               earlier_summary=earlier_summary)
 
 
 def _job_log(path: Path) -> Path:
@@ -230,6 +243,8 @@ def evaluated_on(summary: dict) -> str:
 
 
 def _status(job: Job) -> str:
+    if job.damaged:
+        return f"**damaged**: {job.damaged[:160]}"
     text = STATUS_TEXT.get(job.status, job.status)
     if job.status is None and job.log_error:  # it stopped before its run began, leaving its directory as it was
         text = "**no summary.json**; its log's last error"
@@ -377,7 +392,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)
     shared = sorted(shared_overrides(jobs))
-    counts = Counter(j.status or "no summary" for j in jobs)
+    counts = Counter("damaged" if j.damaged else j.status or "no summary" for j in jobs)
     text = (f"# Sweep report: {Path(sweep_dir)}\n\n"
             f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")

@@ -326,13 +326,22 @@ def test_report_names_what_it_cannot_read(tmp_path):
         load_sweep(tmp_path / "missing")
     with pytest.raises(DataError, match="no runs found"):
         load_sweep(tmp_path)
-    (tmp_path / "0").mkdir()
-    (tmp_path / "0" / "summary.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"0/summary.json: not valid JSON \(line 1\)"):
-        load_sweep(tmp_path)
-    (tmp_path / "0" / "summary.json").write_text("[]")
-    with pytest.raises(DataError, match=r"0/summary.json: a JSON list, not the object a run writes"):
-        load_sweep(tmp_path)
+    # one job's damaged file: that job is shown as damaged, why, and the others are reported (the whole report
+    # was refused)
+    for job in "01":
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")
+    (tmp_path / "1" / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "none",
+                                                             "tokens_per_s": 10.0, "peak_memory_mb": 1.0}))
+    for damage, why in (("{not json", r"0/summary.json: not valid JSON \(line 1\)"),
+                        ("[]", r"0/summary.json: a JSON list, not the object a run writes")):
+        (tmp_path / "0" / "summary.json").write_text(damage)
+        jobs = load_sweep(tmp_path)
+        assert [j.status for j in jobs] == [None, "completed"] and re.search(why, jobs[0].damaged)
+        rows = markdown_rows(write_report(tmp_path)[2])
+        assert rows[0].startswith("| 0 | ? seed=0 |") and re.search(rf"\*\*damaged\*\*: .*{why}", rows[0])
+        assert rows[1].startswith("| 1 | none seed=1 |") and rows[1].endswith("| completed |")
+    assert "2 jobs: 1 damaged, 1 completed" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow
