@@ -245,8 +245,8 @@ def _failure(e: BaseException) -> dict:
         error = str(e).splitlines()[0]
         log.error("out of memory: %s", error)
         return {"status": "oom", "error": error}
-    if isinstance(e, KeyboardInterrupt):
-        return {"status": "interrupted"}
+    if isinstance(e, KeyboardInterrupt):  # the reason too: where it stopped and how to continue (faults.Interrupted)
+        return {"status": "interrupted", "error": str(e) or "KeyboardInterrupt (Ctrl-C before training began)"}
     if isinstance(e, Exception):
         return {"status": "failed", "error": str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"}
     return {}  # SystemExit, GeneratorExit: the summary stays "failed", without an error

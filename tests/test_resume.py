@@ -214,10 +214,10 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     proc = run_cli("train.py", *FAST, *STEPS, "fault.kind=sigterm", "fault.at_step=7", f"hydra.run.dir={run}",
                    f"paths.cache_dir={shared_cache}")
     assert proc.returncode == 128 + signal.SIGTERM
-    assert (f"SIGTERM at step 7: checkpoint written; continue with trainer.resume=auto and hydra.run.dir={run}"
-            in proc.stdout + proc.stderr)  # the default run directory is named by the time it started
+    said = f"SIGTERM at step 7: checkpoint written; continue with trainer.resume=auto and hydra.run.dir={run}"
+    assert said in proc.stdout + proc.stderr  # the default run directory is named by the time it started
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
+    assert summary["status"] == "interrupted" and summary["error"] == said  # why too, for the report and W&B
     ckpt = load_checkpoint(run / "checkpoints" / "step_00000007.pt")
     # what it had reached, as the checkpoint holds it
     assert summary["steps"] == 7 and summary["tgt_tokens"] == ckpt["progress"]["totals"]["total_tgt_tokens"] > 0
