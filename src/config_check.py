@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import functools
 import itertools
+import os
 import re
 import shutil
 from pathlib import Path
@@ -151,7 +152,22 @@ def _output_dir_problems(overrides: list[str], multirun: bool) -> list[str]:
         if blocker is not None and not blocker.is_dir():
             where = "is a file" if blocker == path else f"lies under {blocker}, a file"
             problems.append(f"{override}: {where}; name a directory")
+        elif blocker is not None and (why := _cannot_write_in(blocker)):  # Hydra's traceback, from its mkdir
+            where = "" if blocker == path else f"lies under {blocker}, where "
+            problems.append(f"{override}: {where}this process cannot write ({why}); name a directory it can")
     return problems
+
+
+def _cannot_write_in(folder: Path) -> str | None:
+    """Why a folder cannot be written in, found by making a folder there and removing it (permissions and
+    read-only mounts alike: os.access passes a sysfs folder where mkdir fails); None where it can."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=folder))
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
 
 
 def _config_dir_as_searchpath(argv: list[str]) -> list[str]:

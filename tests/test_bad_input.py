@@ -343,6 +343,27 @@ def test_a_run_directory_that_is_a_file(monkeypatch):
     assert str(e.value) == "hydra.sweep.dir=README.md/sweep: lies under README.md, a file; name a directory"
 
 
+def test_a_run_directory_that_cannot_be_written(monkeypatch, tmp_path):
+    """Hydra's PermissionError traceback, from its mkdir: a folder of another user, a read-only mount (/sys, where
+    os.access says yes). Found by making a folder there (and removing it), faked here: this test may run as root."""
+    import tempfile
+
+    monkeypatch.chdir(ROOT)
+
+    def refused(**kwargs):
+        raise PermissionError(1, "Operation not permitted")
+
+    check_command_line([f"hydra.run.dir={tmp_path / 'run'}"])
+    assert list(tmp_path.iterdir()) == []  # the check's folder is removed
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(UserError) as e:
+        check_command_line([f"hydra.run.dir={tmp_path / 'run'}"])
+    assert str(e.value) == (f"hydra.run.dir={tmp_path / 'run'}: lies under {tmp_path}, where this process cannot "
+                            "write (Operation not permitted); name a directory it can")
+    row = next(r for r in DOC.read_text().splitlines() if r.startswith("| a run directory that cannot be written |"))
+    assert "this process cannot write (Operation not permitted); name a directory it can" in row
+
+
 def test_a_gpu_index_beyond_those_visible(monkeypatch):
     from src.settings import resolve_device
 
@@ -491,6 +512,7 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
                                                            "a run directory that is a file",
+                                                           "a run directory that cannot be written",
                                                            "more torchrun processes than GPUs",
                                                            # test_slurm.py
                                                            "a sweep's job of several processes or GPUs",
