@@ -265,6 +265,13 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
                 self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\npay")
                 self.close_connection = True
                 return
+            if failures["left"] and failures["cut"] == "rate":  # GitHub's rate limit, with its wait
+                failures["left"] -= 1
+                self.send_response(429)
+                self.send_header("Retry-After", "1")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if failures["left"]:
                 failures["left"] -= 1
                 self.send_error(503, "busy")
@@ -299,6 +306,11 @@ def test_download_retries_a_failing_server_and_refetches_a_corrupt_cache(tmp_pat
         failures["left"] = 1
         assert download(f"{url}/train.de.gz", tmp_path / "dl" / "h.gz", good, backoff_s=0.01).read_bytes() == b"payload"
         assert failures["left"] == 0
+        # 429, too many requests, passes (it was taken for a lasting refusal, as 404), after the Retry-After asked
+        failures["left"], failures["cut"] = 1, "rate"
+        started = time.perf_counter()
+        assert download(f"{url}/train.de.gz", tmp_path / "dl" / "r.gz", good, backoff_s=0.01).read_bytes() == b"payload"
+        assert failures["left"] == 0 and time.perf_counter() - started >= 1
         started = time.perf_counter()
         with pytest.raises(DataError, match=r"missing.gz \(File not found\)"):
             download(f"{url}/missing.gz", tmp_path / "dl" / "m.gz", good, backoff_s=10)

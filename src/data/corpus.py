@@ -286,7 +286,9 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
                     raise _Corrupt(f"{url}: SHA-256 {got} does not match the expected {expected_sha256}; not used")
             return dest
         except (urllib.error.URLError, OSError, http.client.HTTPException, _Corrupt) as e:  # a body cut short too
-            permanent = isinstance(e, urllib.error.HTTPError) and e.code < 500  # 404 stays 404
+            # 404 stays 404; 408 (timeout) and 429 (too many requests: GitHub's rate limit) pass, as 5xx do
+            http_code = e.code if isinstance(e, urllib.error.HTTPError) else None
+            permanent = http_code is not None and http_code < 500 and http_code not in (408, 429)
             if permanent or attempt == attempts:
                 if isinstance(e, _Corrupt):
                     raise DataError(str(e)) from None
@@ -296,6 +298,8 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
                     "Multi30k raw files (train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)"
                 ) from None
             wait = backoff_s * 2 ** (attempt - 1)
+            after = e.headers.get("Retry-After", "") if http_code else ""  # the server's own wait, in seconds
+            wait = max(wait, min(float(after), 120.0)) if after.isdigit() else wait
             log.warning("download of %s failed (%s); trying again in %.1f s", url, getattr(e, "reason", e), wait)
             time.sleep(wait)
     raise AssertionError("unreachable")
