@@ -25,7 +25,7 @@ from torch import Tensor
 from .data.batching import batch_indices, collate, pad_stack, pair_sizes
 from .data.corpus import Corpus, ParallelText
 from .data.encode import EncodedCorpus, EncodedSplit
-from .errors import ConfigError, UserError
+from .errors import ConfigError, NumericalError, UserError
 from .memory import MemoryStrategy
 from .model import Transformer
 from .tokenizers import Codec
@@ -94,8 +94,8 @@ def greedy_decode(
         # one host sync a step: whether all go on, whether any does, whether a row's scores are NaN
         all_run, any_run, nan = torch.stack([running.all(), running.any(), best.isnan().any()]).tolist()
         if nan:  # max takes NaN for the largest: the translation would be a NaN row's arbitrary token
-            raise FloatingPointError(f"greedy decoding: a sentence's scores are NaN at step {step + 1} (the model's "
-                                     "outputs are not finite)")
+            raise NumericalError(f"greedy decoding: a sentence's scores are NaN at step {step + 1} (the model's "
+                                 "outputs are not finite: its weights, or a checkpoint's)")
         if not all_run:
             if not any_run:
                 break
@@ -199,8 +199,8 @@ def beam_search(
         tokens = token.view(-1, 1)
     for s, f in enumerate(finished):
         if not f and limit[s] > 0:  # every candidate was NaN or -inf: set aside, none would have finished
-            raise FloatingPointError(f"beam search: no hypothesis of sentence {s} has a finite score (the model's "
-                                     "outputs are NaN or infinite)")
+            raise NumericalError(f"beam search: no hypothesis of sentence {s} has a finite score (the model's "
+                                 "outputs are NaN or infinite: its weights, or a checkpoint's)")
     best = [max(f, key=lambda h: h[0]) if f else (0.0, []) for f in finished]  # max_len 0: empty, as greedy
     out = torch.full((batch, max(len(ids) for _, ids in best)), pad_id, dtype=torch.long, device=device)
     for i, (_, ids) in enumerate(best):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from src.errors import NumericalError
 from src.evaluate import beam_search, greedy_decode, length_penalty
 from src.model import ModelArgs, Transformer
 
@@ -208,9 +209,9 @@ def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_e
     broken = reverser(30, 8, steps=0)
     with torch.no_grad():
         broken.generator.weight[5, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match="no hypothesis of sentence 0 has a finite score"):
+    with pytest.raises(NumericalError, match="no hypothesis of sentence 0 has a finite score"):
         beam_search(broken, SRC, BOS, EOS, PAD, max_len=12, beam_size=3)
-    with pytest.raises(FloatingPointError, match="greedy decoding: a sentence's scores are NaN at step 1"):
+    with pytest.raises(NumericalError, match="greedy decoding: a sentence's scores are NaN at step 1"):
         greedy_decode(broken, SRC, BOS, EOS, PAD, max_len=12)  # (it wrote the NaN row's argmax)
 
 
