@@ -43,6 +43,7 @@ class Job:
     log_error: str | None = None  # without a summary: the last error its log (Hydra's train.log) recorded
     earlier_summary: bool = False  # a sweep launched again: its summary.json is the earlier launch's, left out
     damaged: str | None = None  # a file of the job that does not read (left out of the figures): why
+    started: bool = True  # False: a job of the sweep with no directory (the sweep stopped before it, or is running)
 
     @property
     def status(self) -> str | None:
@@ -133,6 +134,7 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
     candidates = [root] if _is_job(root) else [p for p in root.iterdir() if p.is_dir() and _is_job(p)]
     if not candidates:
         raise DataError(f"{root}: no runs found (expected job directories with summary.json or .hydra/)")
+    present = {p.name for p in candidates}  # (an earlier launch's job left out below is not one never started)
     launched = _launched(root) if latest_launch else None
     if launched is not None:  # a sweep launched again into its directory: its earlier launch's jobs are not its own
         earlier = [p for p in candidates if _newest(p, ".hydra/overrides.yaml", ".hydra/config.yaml", "summary.json")
@@ -144,7 +146,8 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             log.warning("%s: %d job director%s of an earlier launch of the sweep left out (%s)", root, len(earlier),
                         "y" if len(earlier) == 1 else "ies", ", ".join(sorted(p.name for p in earlier)))
             candidates = [p for p in candidates if p not in earlier]
-    jobs = []
+    jobs = [Job(str(number), root / str(number), config=_composed(overrides), overrides=overrides, started=False)
+            for number, overrides in enumerate(_sweep_jobs(root)) if str(number) not in present]
     for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
         try:
             jobs.append(_load_job(path, launched))
@@ -154,11 +157,44 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             with contextlib.suppress(DataError):
                 overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []
             jobs.append(Job(path.name, path, overrides=list(overrides), damaged=str(e)))
+    jobs.sort(key=lambda j: (not j.name.isdigit(), int(j.name) if j.name.isdigit() else 0, j.name))
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:
         job.varying = frozenset(o for o in job.overrides if o not in shared)
     return jobs
+
+
+def _sweep_jobs(root: Path) -> list[list[str]]:
+    """Each job's overrides, as the sweep in ``root`` (its ``multirun.yaml``) was launched with them: a preset's
+    ``hydra.sweeper.params``, then the command line's, as Hydra's basic sweeper combines them. Empty where that
+    cannot be read (no multirun.yaml, another sweeper's)."""
+    from .config_check import sweep_jobs
+
+    try:
+        hydra = (_read_yaml(root / "multirun.yaml") or {}).get("hydra") or {}
+        if not str((hydra.get("sweeper") or {}).get("_target_", "")).endswith(".BasicSweeper"):
+            return []
+        params = [f"{key}={value}" for key, value in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
+        return sweep_jobs([*params, *((hydra.get("overrides") or {}).get("task") or [])], True)
+    except Exception:  # (a sweep of another version of the configs, say: its jobs are still listed as found)
+        return []
+
+
+def _composed(overrides: list[str]) -> dict:
+    """The config a job not started would run with (its strategy and batch, for its row); empty where it does not
+    compose here."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    from .config_check import _compose
+
+    try:  # in train.py's process (a sweep stopped by a signal) Hydra is initialized, with its config folder
+        cfg = compose(config_name="train", overrides=overrides) if GlobalHydra.instance().is_initialized() \
+            else _compose(overrides)
+        return OmegaConf.to_container(cfg, resolve=False)
+    except Exception:
+        return {}
 
 
 def _load_job(path: Path, launched: float | None) -> Job:
@@ -243,6 +279,8 @@ def evaluated_on(summary: dict) -> str:
 
 
 def _status(job: Job) -> str:
+    if not job.started:
+        return "**not started** (the sweep stopped before it, or has not reached it yet)"
     if job.damaged:
         return f"**damaged**: {job.damaged[:160]}"
     text = STATUS_TEXT.get(job.status, job.status)
@@ -392,7 +430,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)
     shared = sorted(shared_overrides(jobs))
-    counts = Counter("damaged" if j.damaged else j.status or "no summary" for j in jobs)
+    counts = Counter("not started" if not j.started else "damaged" if j.damaged else j.status or "no summary"
+                     for j in jobs)
     text = (f"# Sweep report: {Path(sweep_dir)}\n\n"
             f"{len(jobs)} jobs: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + (f"Shared overrides: `{' '.join(shared)}`\n\n" if shared else "")

@@ -378,7 +378,8 @@ def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_anot
 @pytest.mark.slow
 def test_a_sweep_stopped_by_sigterm_reports_the_jobs_it_ran(tmp_path, shared_cache):
     """SIGTERM (a preemption) in a job of a sweep run in this process stops the sweep; the end-of-sweep callbacks
-    then do not run, but the report is written, the stopped job listed as interrupted and no later job."""
+    then do not run, but the report is written, the stopped job listed as interrupted, and the later job as not
+    started (it was left out: "2 jobs" of a sweep of 3)."""
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "fault.kind=null,sigterm,null", "fault.at_step=2", *FAST, "trainer.max_steps=3",
                    "trainer.eval_every=3", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
@@ -387,9 +388,12 @@ def test_a_sweep_stopped_by_sigterm_reports_the_jobs_it_ran(tmp_path, shared_cac
     assert "sweep stopped at job 1; its report holds the jobs it ran" in proc.stdout + proc.stderr
     assert (f"SIGTERM at step 2: checkpoint written; continue with trainer.resume=auto and hydra.sweep.dir={sweep} "
             "(the same sweep command: its jobs resume, or start)") in proc.stdout + proc.stderr
-    rows = markdown_rows((sweep / "report.md").read_text())
-    assert [r.split("|")[1].strip() for r in rows] == ["0", "1"]
+    report = (sweep / "report.md").read_text()
+    rows = markdown_rows(report)
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
     assert "| completed |" in rows[0] and "interrupted" in rows[1]
+    assert rows[2].startswith("| 2 | none fault.kind=null |") and "**not started**" in rows[2]
+    assert "3 jobs: 1 completed, 1 interrupted, 1 not started" in report
     assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
