@@ -85,15 +85,16 @@ def run_name(label: str, overrides: list[str]) -> str:
     """The strategy label plus the job's overrides that say what else differs (``amp model=small``, ``amp
     memory.amp=fp16``): the choice of built-in memory options is the label already (their values, bf16 or fp16 say,
     are not), but an option file of one's own is named (``amp+checkpoint memory=lowmem``: two such files may resolve
-    to one label); output paths say nothing about the run, nor does trainer.resume (an attempt that continues it
-    keeps its name)."""
+    to one label); output paths say nothing about the run, nor do trainer.resume (an attempt that continues it
+    keeps its name), fail_on_error, tags (W&B shows them apart) and meta.* (notes of one's own)."""
     said = set(re.split(r"[+()]", label))  # auto(amp+accum): auto, amp, accum
 
     def told(override: str) -> bool:
         key, _, value = override.lstrip("~+").partition("=")
         if key == "memory":
             return set(value.strip("[]").split(",")) <= said
-        return key.startswith(("hydra.", "paths.", "logger", "sweep_name")) or key == "trainer.resume"
+        return (key.startswith(("hydra.", "paths.", "logger", "sweep_name", "meta.", "tags"))
+                or key in ("trainer.resume", "fail_on_error"))
 
     return " ".join([label, *(o for o in overrides if not told(o))])
 

@@ -525,6 +525,8 @@ def test_a_memory_option_file_of_ones_own_is_named_beside_its_label():
     # a resumed attempt keeps the run's W&B name (the W&B run it continues was named without trainer.resume)
     assert run_name("none", ["model=small", "trainer.resume=auto"]) == "none model=small"
     assert run_name("none", ["memory=none", "paths.output_dir=x", "logger=wandb"]) == "none"
+    # nor settings that do not describe the run (W&B shows tags apart)
+    assert run_name("none", ["fail_on_error=true", "tags=[a,b]", "+meta.note=x", "seed=3"]) == "none seed=3"
 
 
 def test_the_wandb_summary_holds_the_runs_totals(fast_cfg, tmp_path):
