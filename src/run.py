@@ -720,8 +720,9 @@ class TrainingRun:
             raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
         p.nonfinite_skips += 1
         if p.nonfinite_skips > self.max_nonfinite:
-            raise NumericalError(f"{where}: {p.nonfinite_skips} steps skipped, more than trainer.max_nonfinite="
-                                 f"{self.max_nonfinite}; lower the learning rate, or check the data")
+            n = p.nonfinite_skips
+            raise NumericalError(f"{where}: {n} non-finite step{'s' if n != 1 else ''}, more than trainer.max_nonfinite="
+                                 f"{self.max_nonfinite} allows to skip; lower the learning rate, or check the data")
         log.warning("%s: update skipped (%d so far; trainer.on_nonfinite=skip)", where, p.nonfinite_skips)
         self.logger.log({"nonfinite_skips": p.nonfinite_skips}, step)
 

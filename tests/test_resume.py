@@ -465,7 +465,7 @@ def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy, tmp_path, shar
 
 def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
     cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=2", "fault.times=1", "trainer.max_nonfinite=0")
-    with pytest.raises(NumericalError, match=r"1 steps skipped, more than trainer.max_nonfinite=0"):
+    with pytest.raises(NumericalError, match=r"1 non-finite step, more than trainer.max_nonfinite=0 allows to skip"):
         train(cfg)
 
 
