@@ -596,8 +596,8 @@ class TrainingRun:
                 for indices, real, group in self.steps(p.epoch, p.batches_done, p.trained):
                     profiler.step()
                     stats, counted = self.train_step(indices, real, group)
+                    self.check_finite(stats, p.step + 1)  # (before the window counts it: a stop takes it again)
                     self.window.add(stats, p.epoch, counted)
-                    self.check_finite(stats, p.step + 1)
                     # not alive during the next step: its device scalars would be in that step's peak, but not
                     # in a restarted process's first step (a resumed run's peaks must be the run's)
                     del stats
@@ -616,15 +616,7 @@ class TrainingRun:
                     if world.any(stop.signum is not None):
                         stop.signum = stop.signum or signal.SIGTERM  # one rank was signalled: all stop at this step
                     if stop.signum is not None:
-                        carry = not world.distributed  # (the ranks' windows are summed as they are logged)
-                        if not carry:
-                            self.log_window()
-                        if self.saved_step != p.step:
-                            self.save(states=states, carry_window=carry)
-                        # the window goes into the interrupted summary's totals, not into a row of its own:
-                        # the resumed run logs it whole, as the run never stopped does
-                        self.window.flush()
-                        self.peak.skip_window()
+                        self.checkpoint_stop(states)
                         raise Interrupted(stop.signum, p.step, continue_where(hydra_job(), self.run_dir))
                     if self.done():
                         break
@@ -717,14 +709,40 @@ class TrainingRun:
         p = self.p
         where = f"non-finite loss or gradient at step {step}"
         if self.on_nonfinite == "stop":
+            self.save_before_numerical_stop()
             raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
         p.nonfinite_skips += 1
         if p.nonfinite_skips > self.max_nonfinite:
+            p.nonfinite_skips -= 1  # (the checkpoint's count: resumed, this step is taken again)
+            self.save_before_numerical_stop()
+            p.nonfinite_skips += 1
             n = p.nonfinite_skips
             raise NumericalError(f"{where}: {n} non-finite step{'s' if n != 1 else ''}, more than trainer.max_nonfinite="
                                  f"{self.max_nonfinite} allows to skip; lower the learning rate, or check the data")
         log.warning("%s: update skipped (%d so far; trainer.on_nonfinite=skip)", where, p.nonfinite_skips)
         self.logger.log({"nonfinite_skips": p.nonfinite_skips}, step)
+
+    def checkpoint_stop(self, states: tuple[dict, dict] | None = None) -> None:
+        """A stop's checkpoint of the steps taken (a signal's, or a non-finite step's that stops the run), where
+        none is yet: off the save schedule, removed at the next scheduled one. One process: it carries the open
+        log window, which goes into the stopped run's summary, not into a row of its own, and which the resumed
+        run logs whole, as the run never stopped does (under torchrun the ranks' windows are summed as logged)."""
+        carry = not self.world.distributed
+        if not carry:
+            self.log_window()
+        if self.saved_step != self.p.step:
+            self.save(states=states, carry_window=carry)
+        self.window.flush()
+        self.peak.skip_window()
+
+    def save_before_numerical_stop(self) -> None:
+        """The steps taken before a non-finite step that stops the run, checkpointed: resumed (with a lower
+        learning rate, say, or the data mended), the run continues from there rather than from its last scheduled
+        checkpoint. The failed step's update was not taken; its batch is trained again."""
+        if self.p.step > 0:
+            self.checkpoint_stop()
+            log.info("checkpoint of step %d written: continue with trainer.resume=auto once the cause is mended",
+                     self.p.step)
 
     def log_window(self) -> None:
         metrics = self.window.flush()

@@ -448,6 +448,7 @@ def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy, tmp_path, shar
         assert summary["status"] == "failed" and "step 3" in summary["error"]
         # the steps taken before it; its update was not skipped (it said "steps 3, 1 skipped")
         assert summary["steps"] == 2 and summary["nonfinite_skips"] == 0 and "test_bleu" not in summary
+        assert load_checkpoint(Path(cfg.paths.output_dir) / "checkpoints" / "step_00000002.pt")["progress"]["step"] == 2
         return
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["nonfinite_skips"] == 1 and summary["steps"] == 6
@@ -461,6 +462,23 @@ def test_a_nan_loss_is_skipped_or_stops_the_run(fast_cfg, policy, tmp_path, shar
     assert sum(r["src_tokens"] for r in rows if "loss" in r) == sum(r["src_tokens"] for r in plain if "loss" in r)
     step4 = next(r for r in rows if r.get("step") == 4 and "loss" in r)
     assert step4["src_tokens"] == sum(r["src_tokens"] for r in plain if r.get("step") in (3, 4) and "loss" in r)
+
+
+def test_a_run_stopped_by_a_nonfinite_step_resumes_from_the_step_before_it(fast_cfg, tmp_path, shared_cache):
+    """A non-finite stop checkpoints the steps taken before it (they were lost back to the last scheduled
+    checkpoint, all of them here), without the failed step: resumed with the cause mended, the run trains as one
+    that never met it. (Without dropout: the failed step's dropout draw is not taken back.)"""
+    common = ["trainer.log_every=1", "model.dropout=0", "trainer.max_steps=5", "trainer.eval_every=5"]
+    with pytest.raises(NumericalError, match=r"^non-finite loss or gradient at step 3; stopped"):
+        train(fast_cfg(*common, "fault.kind=nan_loss", "fault.at_step=3", "trainer.on_nonfinite=stop"))
+    run = Path(fast_cfg().paths.output_dir)
+    assert [p.name for p in (run / "checkpoints").glob("step_*.pt")] == ["step_00000002.pt"]
+    resumed = train(fast_cfg(*common, "trainer.resume=auto"))
+    clean = compose_config(*FAST, *common, run_dir=tmp_path / "clean", cache_dir=shared_cache)
+    train(clean)
+    assert resumed["resumed_from"]["step"] == 2 and resumed["steps"] == 5
+    assert losses(run) == pytest.approx(losses(Path(clean.paths.output_dir)), rel=1e-6)
+    assert resumed["test_bleu"] == json.loads((tmp_path / "clean" / "summary.json").read_text())["test_bleu"]
 
 
 def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
