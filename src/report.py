@@ -301,6 +301,12 @@ def _status(job: Job) -> str:
     return text
 
 
+def _short(text: str, most: int = 40) -> str:
+    """A label as the plot shows it: long ones cut (the table beside it has them whole), so that they stay in their
+    panel."""
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
 def _cell(text: str) -> str:
     """Text as one cell of a markdown table row: a ``|`` in it (an override's value, an error) escaped."""
     return text.replace("|", "\\|")
@@ -349,22 +355,24 @@ def plot(jobs: list[Job], path: Path) -> None:
         x, y = j.summary["tokens_per_s"], j.summary["peak_memory_mb"]
         ax_mem.scatter(x, y, s=40, color=color[j.name])
         bleu = j.summary.get("test_bleu")
-        note = _plain(f"{j.label}: BLEU {bleu:.2f}" if bleu is not None else j.label)
+        note = _plain(f"{_short(j.label)}: BLEU {bleu:.2f}" if bleu is not None else _short(j.label))
         fx, fy = x / x_max, y / y_max
         dy = 0.02
         while any(abs(fx - px) < 0.25 and abs(fy + dy - py) < 0.045 for px, py in placed):
             dy += 0.045  # move the label up until it clears the ones already placed
         placed.append((fx, fy + dy))
-        ax_mem.annotate(note, (x, y), xytext=(x + 0.015 * x_max, y + dy * y_max), fontsize=8,
+        left = fx > 0.55  # a point on the right: its label to its left, inside the panel
+        ax_mem.annotate(note, (x, y), xytext=(x + (-0.015 if left else 0.015) * x_max, y + dy * y_max), fontsize=8,
+                        ha="right" if left else "left",
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if dy > 0.03 else None)
     broken = [j for j in jobs if j.status != "completed"]
     unplotted = [j for j in jobs if j.status == "completed" and j not in done]  # e.g. trainer.memory_every=null
     lines = []
     if broken:
-        lines += ["not finished:", *(f"{j.name} {j.label}: {STATUS_TEXT.get(j.status, j.status).replace('**', '')}"
+        lines += ["not finished:", *(_short(f"{j.name} {_short(j.label)}: {_status(j).replace('**', '')}", 90)
                                      for j in broken)]
     if unplotted:
-        lines += ["finished, not plotted:", *(f"{j.name} {j.label}: no " + " and no ".join(
+        lines += ["finished, not plotted:", *(f"{j.name} {_short(j.label)}: no " + " and no ".join(
             what for key, what in (("peak_memory_mb", "peak memory"), ("tokens_per_s", "tokens/s"))
             if not j.summary.get(key)) for j in unplotted)]
     if lines:
@@ -380,7 +388,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         if rows:
             style = "-" if j.status == "completed" else "--"
             ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, color=color[j.name],
-                         marker="o" if len(rows) == 1 else None, label=_plain(f"{j.name} {j.label}"))  # a lone point shows
+                         marker="o" if len(rows) == 1 else None, label=_plain(f"{j.name} {_short(j.label)}"))  # a lone point shows
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss (label-smoothed, per target token)")
     ax_loss.set_title("loss curves (dashed: did not finish)")
