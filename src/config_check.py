@@ -238,8 +238,9 @@ def check_launcher(argv: list[str]) -> None:
         for a in argv:  # one process per job: several would each train the whole run (distributed.check_one_slurm_task)
             key, _, value = a.partition("=")
             if key in ONE_PER_JOB and value.strip().isdigit() and int(value) > 1:
-                raise ConfigError(f"{a}: a job of the sweep is one process on one GPU; to train one run on several GPUs, run torchrun --nproc_per_node=N train.py "
-                                  "... inside a SLURM job of your own (README: More than one GPU)")
+                raise ConfigError(f"{a}: a job of the sweep is one process on one GPU; to train one run on several "
+                                  "GPUs, run torchrun --nproc_per_node=N train.py ... inside a SLURM job of your own "
+                                  "(README: More than one GPU)")
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
         raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "
                           "machine: run the command on the cluster, or leave the launcher out to run the jobs here")
@@ -290,6 +291,13 @@ def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 def _searchpath(overrides: list[str]) -> list[str]:
     """``hydra.searchpath=[file:///my/conf]`` overrides: folders of one's own, whose options compose as conf/'s do."""
     return [o for o in overrides if o.split("=")[0].lstrip("+") == "hydra.searchpath"]
+
+
+def _searchpath_folders(overrides: list[str]) -> list[Path]:
+    """The folders that ``hydra.searchpath=[file:///my/conf,...]`` overrides name."""
+    values = (o.split("=", 1)[1].strip("[]").replace("'", "").replace('"', "") for o in _searchpath(overrides))
+    return [Path(f.strip().removeprefix("file://")) for v in values for f in v.split(",")
+            if f.strip().startswith("file://")]
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -400,11 +408,8 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
             where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a config file"
             raise ConfigError("\n".join([*problems, f"{where}: {e.problem or e.context}"])) from None
         except UnicodeDecodeError as e:  # (Hydra's reader does not say which file)
-            roots = [_PRIMARY[0], *(Path(f.removeprefix("file://")) for o in _searchpath(overrides)
-                                    for f in o.split("=", 1)[1].strip("[]").replace("'", "").split(",")
-                                    if f.startswith("file://"))]
-            undecodable = next((str(path) for root in roots for path in sorted(root.rglob("*.yaml"))
-                                if not _decodes(path)), "a config file")
+            undecodable = next((str(path) for root in [_PRIMARY[0], *_searchpath_folders(overrides)]
+                                for path in sorted(root.rglob("*.yaml")) if not _decodes(path)), "a config file")
             raise ConfigError("\n".join([*problems, f"{undecodable}: not UTF-8 text ({e.reason} at byte "
                                                      f"{e.start}); save it as UTF-8"])) from None
         except (ValueError, TypeError) as e:  # what Hydra's defaults list raises on input it does not expect

@@ -148,7 +148,7 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             candidates = [p for p in candidates if p not in earlier]
     jobs = [Job(str(number), root / str(number), config=_composed(overrides), overrides=overrides, started=False)
             for number, overrides in enumerate(_sweep_jobs(root)) if str(number) not in present]
-    for path in sorted(candidates, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+    for path in candidates:
         try:
             jobs.append(_load_job(path, launched))
         except DataError as e:  # one job's damaged file: the others are still reported
@@ -157,7 +157,7 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             with contextlib.suppress(DataError):
                 overrides = _read_yaml(path / ".hydra" / "overrides.yaml") or []
             jobs.append(Job(path.name, path, overrides=list(overrides), damaged=str(e)))
-    jobs.sort(key=lambda j: (not j.name.isdigit(), int(j.name) if j.name.isdigit() else 0, j.name))
+    jobs.sort(key=lambda j: (not j.name.isdigit(), int(j.name) if j.name.isdigit() else 0, j.name))  # job order
     # the overrides that differ between jobs are what names them; the ones they share are the sweep's setting
     shared = shared_overrides(jobs)
     for job in jobs:

@@ -708,14 +708,13 @@ class TrainingRun:
             return
         p = self.p
         where = f"non-finite loss or gradient at step {step}"
-        if self.on_nonfinite == "stop":
+        stops = self.on_nonfinite == "stop" or p.nonfinite_skips + 1 > self.max_nonfinite
+        if stops:  # (with the skips so far: resumed, this step is taken again)
             self.save_before_numerical_stop()
+        if self.on_nonfinite == "stop":
             raise NumericalError(f"{where}; stopped (trainer.on_nonfinite=stop)")
         p.nonfinite_skips += 1
-        if p.nonfinite_skips > self.max_nonfinite:
-            p.nonfinite_skips -= 1  # (the checkpoint's count: resumed, this step is taken again)
-            self.save_before_numerical_stop()
-            p.nonfinite_skips += 1
+        if stops:
             n = p.nonfinite_skips
             raise NumericalError(f"{where}: {n} non-finite step{'s' if n != 1 else ''}, more than trainer.max_nonfinite="
                                  f"{self.max_nonfinite} allows to skip; lower the learning rate, or check the data")
