@@ -827,7 +827,8 @@ def test_path_settings_may_start_with_a_tilde(tmp_path, monkeypatch, xlmr_dir):
     (tmp_path / "m").mkdir()
     make_multi30k(tmp_path / "m")
     assert load_multi30k("de", "en", "~/m", tmp_path / "c").splits["valid"].tgt[3] == "val en satz 3"
-    torch.save({"progress": {"step": 3}, "model": {}, "optimizer": {}, "scheduler": {}}, tmp_path / "last.pt")
+    torch.save({"progress": {"step": 3}, "model": {}, "optimizer": {}, "scheduler": {}, "scaler": {}, "rng": {}},
+               tmp_path / "last.pt")
     assert find_resume("~/last.pt", None, tmp_path / "run")[1]["progress"]["step"] == 3
 
     from src.config_check import check_command_line
