@@ -240,7 +240,7 @@ def test_download_verifies_sha256(http_root, tmp_path):
     good = hashlib.sha256(b"payload").hexdigest()
     dest = download(f"{url}/f.gz", tmp_path / "dl" / "f.gz", good)
     assert dest.read_bytes() == b"payload"
-    with pytest.raises(DataError, match="SHA-256"):
+    with pytest.raises(DataError, match="SHA-256 .* not used; to use a local copy instead, point data.root at"):
         download(f"{url}/f.gz", tmp_path / "dl2" / "f.gz", "0" * 64)
     assert not (tmp_path / "dl2" / "f.gz").exists() and not list((tmp_path / "dl2").glob(".*tmp"))
 

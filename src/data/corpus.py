@@ -290,13 +290,8 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
             http_code = e.code if isinstance(e, urllib.error.HTTPError) else None
             permanent = http_code is not None and http_code < 500 and http_code not in (408, 429)
             if permanent or attempt == attempts:
-                if isinstance(e, _Corrupt):
-                    raise DataError(str(e)) from None
-                reason = getattr(e, "reason", e)
-                raise DataError(
-                    f"cannot download {url} ({reason}); without network, point data.root at a folder holding the "
-                    "Multi30k raw files (train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)"
-                ) from None
+                problem = str(e) if isinstance(e, _Corrupt) else f"cannot download {url} ({getattr(e, 'reason', e)})"
+                raise DataError(f"{problem}; {LOCAL_COPY_HINT}") from None
             wait = backoff_s * 2 ** (attempt - 1)
             after = e.headers.get("Retry-After", "") if http_code else ""  # the server's own wait, in seconds
             wait = max(wait, min(float(after), 120.0)) if after.isdigit() else wait
@@ -307,6 +302,10 @@ def download(url: str, dest: Path, expected_sha256: str, timeout: float = 30.0, 
 
 class _Corrupt(Exception):
     pass
+
+
+LOCAL_COPY_HINT = ("to use a local copy instead, point data.root at a folder holding the Multi30k raw files "
+                   "(train.de.gz, val.de.gz, test_2016_flickr.de.gz, ...)")
 
 
 def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:
