@@ -43,8 +43,21 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
+        _fsync_dir(path.parent)
     finally:
         tmp_path.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory's entries to disk: a rename is durable only once its directory is (after a power cut, the
+    file could otherwise still be missing, or be the old one). Where a directory cannot be opened so (some network
+    file systems), the rename stays as the file system keeps it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def link_atomically(existing: Path, path: Path) -> bool:
@@ -86,6 +99,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             if old is not None:  # the earlier one goes back
                 os.replace(old / path.name, path)
             raise
+        _fsync_dir(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None:

@@ -6,6 +6,7 @@ import http.server
 import importlib.util
 import os
 import re
+import stat
 import sys
 import threading
 import time
@@ -83,6 +84,25 @@ def test_an_interrupted_write_leaves_the_earlier_file_and_no_other(tmp_path):
         raise KeyboardInterrupt  # Ctrl-C (or SIGTERM's handler) in the middle of the write
     assert (tmp_path / "test.hyp.txt").read_text() == "earlier\n"
     assert os.listdir(tmp_path) == ["test.hyp.txt"]
+
+
+def test_an_atomic_write_flushes_the_file_and_then_its_directory_entry(tmp_path, monkeypatch):
+    """The rename is durable only once the directory holding it is flushed: after a power cut, a checkpoint renamed
+    but not flushed could be the old one or missing."""
+    flushed = []
+    fsync = os.fsync
+
+    def recording(fd):
+        flushed.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        fsync(fd)
+
+    monkeypatch.setattr(fileio.os, "fsync", recording)
+    write_text(tmp_path / "summary.json", "{}")
+    assert flushed == ["file", "dir"]
+    flushed.clear()
+    with fileio.atomic_dir(tmp_path / "hf") as tmp:
+        (tmp / "tokenizer.json").write_text("{}")
+    assert flushed == ["file", "dir"]
 
 
 def test_atomic_dir_puts_the_earlier_directory_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
