@@ -212,7 +212,10 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, settings: dict | None = None, config: dict | None = None,
                  name: str | None = None, group: str | None = None, resuming: bool = False):
-        """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run."""
+        """``resuming``: the run continues from a checkpoint in ``run_dir``, so it continues that run's W&B run and
+        its metrics.jsonl (whose rows after the checkpoint ``rewind`` drops). Otherwise the run starts afresh here,
+        from step 0 or from another run's checkpoint (ckpt_path), and its metrics.jsonl starts empty: no row of an
+        earlier run in this directory passes for one of this run's."""
         for key in settings or {}:  # every key names a logger, `csv:` with no settings too
             if key not in BACKENDS:
                 raise ConfigError(f"logger.{key}: no logger of that name (src/loggers.py's BACKENDS has "
@@ -228,7 +231,7 @@ class RunLogger:
             for backend in self.backends:
                 backend.finish({"status": "failed"})
             raise
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in finish)
+        self._file = open(self.path, "a" if resuming else "w", encoding="utf-8")  # noqa: SIM115 (closed in finish)
 
     def relabel(self, strategy: str, name: str) -> None:
         """The runs' strategy and name once memory=auto has chosen (they start before the data is read)."""

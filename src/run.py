@@ -542,7 +542,7 @@ class TrainingRun:
         """The tokenizer's files, the log from the step the run starts at, and the progress bar."""
         if self.world.main:  # after the resume check: a refused resume leaves the tokenizer its checkpoints need
             save_codecs(self.run_dir / "tokenizer", self.src_codec, self.tgt_codec)
-        self.logger.rewind(self.p.step)  # rows logged after the checkpoint are trained again (a fresh start: every row)
+        self.logger.rewind(self.p.step)  # rows logged after the checkpoint resumed here are trained again
         max_steps, max_epochs, epoch_steps = self.max_steps, self.max_epochs, self.steps_per_epoch
         total_steps = min(filter(None, (max_steps, max_epochs and max_epochs * epoch_steps)))  # whichever ends first
         # Where stderr is a file (a cluster job's log, W&B's capture of the console), redrawn every 30 s, not ten

@@ -396,7 +396,7 @@ def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_pa
     assert (tmp_path / "other" / "wandb_run_id").read_text().strip() != run_id
 
 
-def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, tmp_path, caplog):
+def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, tmp_path, caplog, shared_cache):
     """Without trainer.resume, a directory holding step checkpoints stops the run before anything is written. With
     resume=auto and none of them readable, or with resume=never, the run starts from step 0: the earlier run's
     checkpoints are removed, the metrics hold this run's rows alone, and W&B gets a new run (continuing the old one
@@ -436,6 +436,14 @@ def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, t
     assert "resumed_from" not in summary and summary["steps"] == 2
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == ["step_00000002.pt"]
     assert sorted(losses(run)) == [1, 2] and (run / "wandb_run_id").read_text() not in (first_id, second_id)
+
+    # started over here from another run's checkpoint (ckpt_path, at step 4): the rows of this directory's earlier
+    # run up to that step are not this run's history either
+    other = compose_config(*FAST, *steps, "trainer.max_steps=4", run_dir=tmp_path / "other", cache_dir=shared_cache)
+    train(other)
+    summary = train(fast_cfg(*steps, "trainer.max_steps=6", "trainer.resume=never",
+                             f"ckpt_path={tmp_path / 'other' / 'checkpoints' / 'step_00000004.pt'}"))
+    assert summary["resumed_from"]["step"] == 4 and sorted(losses(run)) == [5, 6]
 
 
 @pytest.mark.parametrize("policy", ["skip", "stop"])
