@@ -27,11 +27,16 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
-def checkpoint_step(path: Path) -> int | None:
+def checkpoint_step(path: Path, io_errors: bool = False) -> int | None:
     """The training step a checkpoint was written at, read without loading its tensors (memory-mapped); None for
-    a file that cannot be read or holds no progress."""
+    a file that cannot be read or holds no progress. ``io_errors``: those of the disk or the host's memory, not
+    the file's own, are raised."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]["step"]
+    except (OSError, MemoryError):
+        if io_errors:
+            raise
+        return None
     except Exception:
         return None
 

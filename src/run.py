@@ -76,6 +76,7 @@ from .state import (
     remove_partial_writes,
     restore_rng_state,
     rng_state,
+    same_checkpoint_on_every_rank,
     stale_best,
     step_checkpoints,
 )
@@ -167,7 +168,7 @@ def train(cfg: DictConfig) -> dict:
                 hold_run_dir(run_dir, held)
             ckpt_dir = checkpoint_dir(run_dir)
             resume = resume_setting(conf["trainer"], ckpt_dir)
-            resumed = find_resume(conf.get("ckpt_path"), resume, ckpt_dir)
+            resumed = same_checkpoint_on_every_rank(world, find_resume(conf.get("ckpt_path"), resume, ckpt_dir))
             continues_here = resumed is not None and resumed[0].resolve().parent == ckpt_dir  # its own checkpoint
 
             def begin() -> RunLogger | NullLogger:

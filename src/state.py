@@ -135,7 +135,11 @@ def stale_best(best: Path, step: int) -> bool:
     the end of the run."""
     if not best.is_file():
         return False
-    written = checkpoint_step(best)
+    try:
+        written = checkpoint_step(best, io_errors=True)
+    except (OSError, MemoryError) as e:  # not the file's own failure: kept, for the end of the run to read again
+        log.warning("cannot read %s now (%s): kept", best, e)
+        return False
     return written is None or written > step
 
 
@@ -212,6 +216,29 @@ def find_resume(ckpt_path: str | None, resume: str | None, ckpt_dir: Path) -> tu
     if resume not in (None, "never", "auto"):
         raise ConfigError(f"trainer.resume={resume}: expected auto, never or null")
     return None
+
+
+def same_checkpoint_on_every_rank(world, resumed: tuple[Path, dict] | None) -> tuple[Path, dict] | None:
+    """Rank 0's choice of ``find_resume`` on every rank. Each rank chose the newest checkpoint it could read, and
+    a file another rank could not read for a moment (a network file system's error, the host out of memory with N
+    ranks loading at once) would resume the ranks from different steps, silently: DDP's weights agree, the
+    optimizer states and data positions do not. A rank that chose otherwise loads rank 0's, or stops the run."""
+    if not world.distributed:
+        return resumed
+    mine = str(resumed[0].resolve()) if resumed else None
+    chosen = world.broadcast(mine)
+    if chosen == mine:
+        return resumed
+    if chosen is None:  # rank 0 starts afresh
+        return None
+    try:
+        state = load_checkpoint(chosen)
+    except Exception as e:
+        raise ConfigError(f"{chosen}: rank 0 resumes from it, rank {world.rank} cannot read it "
+                          f"({unreadable_because(e)})") from None
+    log.warning("rank %d: resuming from %s, rank 0's choice (this rank found %s)", world.rank, chosen,
+                mine or "none to resume from")
+    return Path(chosen), state
 
 
 def newest_readable(ckpt_dir: Path, hint: str) -> tuple[Path, dict] | None:

@@ -14,6 +14,7 @@ import src.run
 from src.checkpoint import load_checkpoint
 from src.errors import ConfigError, NumericalError
 from src.run import train
+from src.state import drop_later_checkpoints, same_checkpoint_on_every_rank
 
 from .conftest import FAST, compose_config
 from .helpers import read_jsonl, read_wandb_run, run_cli
@@ -848,3 +849,50 @@ def test_the_pairs_trained_in_an_epoch_are_saved_as_one_tensor_and_load_from_eit
     # and one from before Progress.trained (2026-12-03): the default, as before
     save_checkpoint(tmp_path / "older.pt", progress={k: v for k, v in saved.items() if k != "trained"})
     assert Progress.from_checkpoint(load_checkpoint(tmp_path / "older.pt")) == Progress(step=3)
+
+
+def test_a_best_pt_unreadable_for_a_moment_is_kept_and_a_damaged_one_removed(tmp_path, monkeypatch):
+    """Resumed at step 4, best.pt goes when it is later (an attempt that stopped wrote it) or damaged; a read that
+    fails for the disk's or the host's reasons, not the file's, must not cost the run its best model."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    best = ckpts / "best.pt"
+    torch.save({"progress": {"step": 2}}, best)
+    load = torch.load
+
+    def failing(path, *args, **kwargs):
+        if Path(path).name == "best.pt":
+            raise OSError(5, "Input/output error")
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", failing)
+    assert drop_later_checkpoints(ckpts, 4) == [] and best.is_file()
+    monkeypatch.setattr(torch, "load", load)
+    assert drop_later_checkpoints(ckpts, 4) == [] and best.is_file()  # step 2: this run's
+    best.write_bytes(best.read_bytes()[:100])
+    assert drop_later_checkpoints(ckpts, 4) == [best] and not best.exists()
+
+
+class _Rank:
+    """A rank of a torchrun job, whose broadcast hands it rank 0's value."""
+    def __init__(self, rank: int, rank_0s):
+        self.rank, self.size, self.distributed, self.rank_0s = rank, 2, True, rank_0s
+
+    def broadcast(self, obj):
+        return obj if self.rank == 0 else self.rank_0s
+
+
+def test_every_rank_resumes_from_rank_0s_checkpoint(tmp_path):
+    """Each rank picks the newest checkpoint it can read: one that could not read the newest for a moment takes
+    rank 0's, or the run stops; it never trains on from another step than rank 0."""
+    newest, older = tmp_path / "step_00000006.pt", tmp_path / "step_00000004.pt"
+    for step, path in ((6, newest), (4, older)):
+        torch.save({"progress": {"step": step}}, path)
+    rank_0s = str(newest.resolve())
+    path, state = same_checkpoint_on_every_rank(_Rank(1, rank_0s), (older, {"progress": {"step": 4}}))
+    assert path == newest and state["progress"]["step"] == 6
+    assert same_checkpoint_on_every_rank(_Rank(1, None), (older, {})) is None  # rank 0 starts afresh: so does it
+    assert same_checkpoint_on_every_rank(_Rank(0, rank_0s), (newest, {"x": 1})) == (newest, {"x": 1})
+    newest.write_bytes(b"PK\x03\x04")
+    with pytest.raises(ConfigError, match=r"step_00000006.pt: rank 0 resumes from it, rank 1 cannot read it \("):
+        same_checkpoint_on_every_rank(_Rank(1, rank_0s), (older, {}))
