@@ -284,6 +284,17 @@ def translate(
 # model is downloaded): BLEU over characters. 13a would see each sentence as one word, and score a perfect
 # translation 0.
 CHARACTER_BLEU = frozenset({"th", "lo", "km", "my", "bo", "dz"})
+# The three-letter codes (ISO 639-2 and -3) of the languages whose BLEU tokenizer is not 13a
+THREE_LETTER = {"zho": "zh", "chi": "zh", "cmn": "zh", "jpn": "ja", "kor": "ko", "tha": "th", "lao": "lo",
+                "khm": "km", "mya": "my", "bur": "my", "bod": "bo", "tib": "bo", "dzo": "dz"}
+
+
+def bleu_language(tgt_lang: str | None) -> str:
+    """The language code sacreBLEU chooses a tokenizer by: the language of ``zh-CN``, ``zh_TW``, ``ZH`` or ``zho``
+    (file names of OPUS corpora carry regions), which sacreBLEU knows only as ``zh``: given as is, it tokenized
+    Chinese with 13a, each sentence one word."""
+    lang = (tgt_lang or "").replace("_", "-").split("-")[0].lower()
+    return THREE_LETTER.get(lang, lang)
 
 
 def bleu_metric(lowercase: bool = False, tgt_lang: str | None = None):
@@ -292,9 +303,10 @@ def bleu_metric(lowercase: bool = False, tgt_lang: str | None = None):
     ``sacrebleu[ko]``: ``check_scoring`` says so before training); ``char`` for ``CHARACTER_BLEU``'s languages."""
     from sacrebleu.metrics import BLEU
 
-    if tgt_lang in CHARACTER_BLEU:
+    lang = bleu_language(tgt_lang)
+    if lang in CHARACTER_BLEU:
         return BLEU(lowercase=lowercase, tokenize="char")
-    return BLEU(lowercase=lowercase, trg_lang=tgt_lang or "")
+    return BLEU(lowercase=lowercase, trg_lang=lang)
 
 
 def check_scoring(tgt_lang: str | None) -> None:

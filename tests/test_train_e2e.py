@@ -697,6 +697,9 @@ def test_bleu_tokenizes_the_target_language_as_sacrebleu_does():
     zh = score(["我爱你们啊"], ["我爱你们"], tgt_lang="zh")
     assert score(["我爱你们啊"], ["我爱你们"])["bleu"] == 0 < zh["bleu"] and "tok:zh" in zh["bleu_signature"]
     assert "tok:13a" in score(["a"], ["a"], tgt_lang="de")["bleu_signature"]
+    for code in ("zh-CN", "zh_TW", "ZH", "zho"):  # a region, capitals, three letters: still Chinese
+        assert score(["我爱你们啊"], ["我爱你们"], tgt_lang=code) == zh
+    assert "tok:char" in score(["a"], ["a"], tgt_lang="th-TH")["bleu_signature"]
 
 
 def test_a_lowercasing_tokenizer_is_scored_case_insensitively(fast_cfg, tmp_path, capsys):
