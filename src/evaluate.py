@@ -69,9 +69,11 @@ def greedy_decode(
     eos_id: int,
     pad_id: int,
     max_len: int | Sequence[int],
+    never: Sequence[int] = (),
 ) -> Tensor:
     """Greedy translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
-    ``</s>``; ``max_len``: for every sentence, or one per sentence. Each step feeds only the newest token; earlier
+    ``</s>``; ``max_len``: for every sentence, or one per sentence; ``never``: other ids no translation holds
+    (``Codec.other_specials``). Each step feeds only the newest token; earlier
     keys and values come from the cache. A sentence that has produced ``</s>`` or reached its ``max_len`` leaves
     the batch, with its encoder states and cache rows, so the steps after it cost only what the unfinished
     sentences need."""
@@ -85,7 +87,7 @@ def greedy_decode(
     active = torch.arange(batch, device=src.device)  # rows of ``out`` still being decoded
     tokens = torch.full((batch, 1), bos_id, dtype=torch.long, device=src.device)
     length = 0
-    never = _never_generated(bos_id, eos_id, pad_id, src.device)
+    never = _never_generated(bos_id, eos_id, pad_id, never, src.device)
     for step in range(out.size(1)):
         best, next_tok = model.decode_step(memory, src_mask, tokens, caches).index_fill_(-1, never, -math.inf).max(-1)
         out[active, step] = next_tok.masked_fill(limit <= step, pad_id)  # a max_len of 0: none
@@ -107,10 +109,11 @@ def greedy_decode(
     return out[:, :length]
 
 
-def _never_generated(bos_id: int, eos_id: int, pad_id: int, device: torch.device) -> Tensor:
-    """The ids a translation never holds: padding and ``<s>`` (fairseq forbids padding likewise). An untrained
-    model's argmax can be either, which the detokenizer drops, so the text scored was not the one searched."""
-    return torch.tensor(sorted({bos_id, pad_id} - {eos_id}), dtype=torch.long, device=device)
+def _never_generated(bos_id: int, eos_id: int, pad_id: int, others: Sequence[int], device: torch.device) -> Tensor:
+    """The ids a translation never holds: padding, ``<s>`` (fairseq forbids padding likewise) and ``others`` (the
+    tokenizer's other special tokens). An untrained model's argmax can be any of them, which the detokenizer
+    drops, so the text scored was not the one searched."""
+    return torch.tensor(sorted({bos_id, pad_id, *others} - {eos_id}), dtype=torch.long, device=device)
 
 
 def _limits(max_len: int | Sequence[int], batch: int) -> Tensor:
@@ -138,6 +141,7 @@ def beam_search(
     max_len: int | Sequence[int],
     beam_size: int,
     alpha: float = 0.0,
+    never: Sequence[int] = (),
 ) -> tuple[Tensor, Tensor]:
     """Beam-search translations of a padded source batch (B, S) -> (B, <= max_len) token ids, ``pad_id`` after
     ``</s>``, and their scores (B,), as fairseq does it. ``max_len``: for every sentence, or one per sentence.
@@ -145,7 +149,7 @@ def beam_search(
     the best ``beam_size`` of a step is set aside as finished, and a sentence is done once it has ``beam_size``
     finished ones (or at its ``max_len``, where its open ones count as they are). The best finished hypothesis
     by ``log-probability / length_penalty(length, alpha)`` wins, its length counting ``</s>``. Done sentences
-    leave the batch. With ``beam_size`` 1 this is greedy decoding."""
+    leave the batch. With ``beam_size`` 1 this is greedy decoding. ``never``: as ``greedy_decode``'s."""
     model.eval()
     k = beam_size
     src_mask = model.src_mask(src)
@@ -161,7 +165,7 @@ def beam_search(
     caches: list[dict] = [{} for _ in model.decoder]
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]  # (normalized score, ids)
     limit = _limits(max_len, batch).tolist()
-    never = _never_generated(bos_id, eos_id, pad_id, device)
+    never = _never_generated(bos_id, eos_id, pad_id, never, device)
     for step in range(max(limit)):
         logp = torch.log_softmax(model.decode_step(memory, src_mask, tokens, caches, k).float(), dim=-1)
         logp.index_fill_(-1, never, -math.inf)  # after the softmax: the other tokens' scores are the model's
@@ -241,9 +245,9 @@ def translate_ids(
         specials = tgt_codec.bos_id, tgt_codec.eos_id, tgt_codec.pad_id
         with autocast():
             if beam_size == 1:
-                hyp = greedy_decode(model, src, *specials, max_len)
+                hyp = greedy_decode(model, src, *specials, max_len, never=tgt_codec.other_specials)
             else:
-                hyp, _ = beam_search(model, src, *specials, max_len, beam_size, alpha)
+                hyp, _ = beam_search(model, src, *specials, max_len, beam_size, alpha, never=tgt_codec.other_specials)
         for row, i in zip(hyp.tolist(), idx):
             results[i] = row
     return results

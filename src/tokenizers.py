@@ -57,6 +57,12 @@ class Codec:
         """Plain text of a hypothesis; stops at ``</s>`` and drops the other special tokens."""
         raise NotImplementedError
 
+    @property
+    def other_specials(self) -> tuple[int, ...]:
+        """The ids of special tokens beside ``<s>``, ``<pad>``, ``</s>`` and ``<unk>`` (XLM-R's ``<mask>``): never
+        a translation's, as decoding would drop them."""
+        return ()
+
     def save(self, directory: Path) -> None:
         """Write the files ``state()`` refers to, if any (``save_codecs`` writes the state itself)."""
 
@@ -415,7 +421,10 @@ class HFCodec(Codec):
         words, piece_ids = [], []
         for i in [*map(int, ids), self.eos_id]:
             if i in (self.eos_id, self.unk_id):
-                words.append(self.tok.decode(piece_ids, skip_special_tokens=True).strip())
+                # sentencepiece's spaces as they are: the cleanup some tokenizer configs switch on (transformers
+                # 4's default) would join "cat ." and " 's" that the model wrote apart
+                words.append(self.tok.decode(piece_ids, skip_special_tokens=True,
+                                             clean_up_tokenization_spaces=False).strip())
                 piece_ids = []
                 if i == self.eos_id:
                     break
@@ -423,6 +432,10 @@ class HFCodec(Codec):
             else:
                 piece_ids.append(i)
         return " ".join(w for w in words if w)
+
+    @property
+    def other_specials(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.tok.all_special_ids) - {self.bos_id, self.pad_id, self.eos_id, self.unk_id}))
 
     def state(self) -> dict:
         return {"type": "hf", "name_or_path": self.name_or_path, "vocab_size": len(self)}
@@ -471,6 +484,10 @@ class TrimmedCodec(Codec):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.base.decode(self.kept[int(i)] for i in ids)
+
+    @property
+    def other_specials(self) -> tuple[int, ...]:
+        return tuple(self.new_id[i] for i in self.base.other_specials if i in self.new_id)
 
     def state(self) -> dict:
         return {"type": "trimmed", "base": self.base.state(), "kept": self.kept}

@@ -170,9 +170,11 @@ def test_an_odd_d_model_has_its_positions():
     assert m(SRC, SRC[:, :4]).shape == (3, 4, 20)
 
 
-def test_no_translation_holds_padding_or_the_start_token(monkeypatch):
-    """A model whose best next token is padding or <s> (an untrained one's can be) still writes only real tokens:
-    the detokenizer drops both, so the text scored would not be the one searched."""
+def test_no_translation_holds_padding_the_start_token_or_another_special_token(monkeypatch):
+    """A model whose best next token is padding, <s> or another special token (XLM-R's <mask>: an untrained
+    model's can be any) still writes only real tokens: the detokenizer drops them, so the text scored would not be
+    the one searched."""
+    MASK = 11
     torch.manual_seed(0)
     m = Transformer(ModelArgs(src_vocab=12, tgt_vocab=12, pad_id=PAD, d_model=16, n_heads=2, d_ff=32,
                               encoder_layers=1, decoder_layers=1, dropout=0.0)).eval()
@@ -182,14 +184,16 @@ def test_no_translation_holds_padding_or_the_start_token(monkeypatch):
         logits = step(*args, **kwargs).clone()
         logits[:, PAD] += 100.0
         logits[:, BOS] += 90.0
+        logits[:, MASK] += 95.0
         return logits
 
     monkeypatch.setattr(m, "decode_step", preferring_specials)
     src = torch.tensor([[5, 6, 7, EOS], [8, EOS, PAD, PAD]])
-    for hyp in (greedy_decode(m, src, BOS, EOS, PAD, 6), beam_search(m, src, BOS, EOS, PAD, 6, beam_size=3)[0]):
+    for hyp in (greedy_decode(m, src, BOS, EOS, PAD, 6, never=[MASK]),
+                beam_search(m, src, BOS, EOS, PAD, 6, beam_size=3, never=[MASK])[0]):
         for row in hyp.tolist():
             words = row[: row.index(EOS)] if EOS in row else row
-            assert PAD not in words and BOS not in words, row
+            assert PAD not in words and BOS not in words and MASK not in words, row
 
 
 def test_no_positions_to_decode_is_an_empty_row_and_non_finite_outputs_are_one_error(model):

@@ -117,6 +117,24 @@ def test_an_unknown_word_is_one_word_of_the_scored_text_in_both_tokenizers(xlmr_
     assert trimmed.decode(trimmed.encode(["Ein Mann"])[0]) == f"Ein {UNK_TEXT}"
 
 
+def test_xlmr_decodes_the_spaces_the_model_wrote_and_never_writes_mask(xlmr_dir, tmp_path):
+    """sentencepiece's spaces are the model's: a tokenizer config asking for transformers' cleanup (4.x wrote it
+    so) must not join "Hund ." into "Hund." when the model wrote the space. <mask> is never a translation's: the
+    decoding drops it, so decoding may not choose it (``other_specials``)."""
+    import json
+
+    copy = tmp_path / "cleanup"
+    shutil.copytree(xlmr_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    plain, cleaning = HFCodec(str(xlmr_dir)), HFCodec(str(copy))
+    ids = plain.encode(["ein Hund ."])[0]
+    assert plain.decode(ids) == cleaning.decode(ids) == "ein Hund ."
+    assert plain.other_specials == (plain.tok.convert_tokens_to_ids("<mask>"),)
+    trimmed = TrimmedCodec(plain, [*range(10), *plain.other_specials])
+    assert trimmed.other_specials == (10,) and SpacyCodec.build(TEXT, "de", min_freq=2).other_specials == ()
+
+
 def test_scores_are_sacrebleus_corpus_scores_with_the_hypotheses_first():
     """BLEU and chrF as sacreBLEU's own functions give them, hypotheses first (on sentences where the swapped
     order scores otherwise: shorter hypotheses pay the brevity penalty, longer ones lower precisions)."""
