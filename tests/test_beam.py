@@ -130,7 +130,7 @@ def test_a_translation_does_not_depend_on_the_sentences_batched_with_it(model, b
 
     torch.manual_seed(1)
     sources = [torch.randint(3, 30, (n,)) for n in (1, 7, 3, 8, 5, 2)]
-    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD, other_specials=())
 
     def translations(batch_size: int) -> list[list[int]]:
         rows = translate_ids(model, sources, codec, codec, torch.device("cpu"), batch_size, 0.5, 1,
@@ -229,7 +229,7 @@ def test_no_translation_is_longer_than_the_models_positions(model, beam_size):
 
     torch.manual_seed(1)
     sources = [torch.randint(3, 30, (n,)) for n in (2, 8)]
-    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD)
+    codec = SimpleNamespace(bos_id=BOS, eos_id=EOS, pad_id=PAD, other_specials=())
 
     def lengths(max_positions):
         rows = translate_ids(model, sources, codec, codec, torch.device("cpu"), 2, 0.0, 20, beam_size=beam_size,
