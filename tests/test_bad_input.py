@@ -209,6 +209,8 @@ FILES = [
      "{data}/train.de:1: a NUL byte, which text does not hold (UTF-16? binary?); convert the file to UTF-8 text"),
     ("UTF-16 text with a byte-order mark", {"train.de": "ein Satz\nzwei Sätze\n".encode("utf-16")},
      "{data}/train.de: looks like UTF-16, not UTF-8; convert the file to UTF-8"),
+    ("a gzip-compressed file named without .gz", {"train.de": gzip.compress(b"ein Satz\nzwei\n")},
+     "{data}/train.de: gzip-compressed data; name the file with .gz, or decompress it (gunzip)"),
     ("every line pair with an empty side", {"train.de": "eins\n\n", "train.en": "\ntwo\n"},
      "{data}/train.de, {data}/train.en: every line pair has an empty side"),
     ("old Mac line ends (a carriage return alone)", {"train.de": "ein Satz\rzwei Sätze\r"},

@@ -755,7 +755,7 @@ def test_a_tab_separated_file_given_as_one_side_is_said(tmp_path, caplog):
 
     src, tgt = tmp_path / "train.de", tmp_path / "train.en"
     src.write_text("eins\tone\nzwei\ttwo\ndrei\n")
-    tgt.write_text("one\ntwo\tzwo\nthree\n")
+    tgt.write_text("one\ntwo\tzwo\nthree\t\n")  # a trailing tab is trailing whitespace
     with caplog.at_level(logging.WARNING):
         corpus_mod.read_parallel(src, tgt)
     assert [r.getMessage() for r in caplog.records] == [

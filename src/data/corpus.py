@@ -123,6 +123,8 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
                 raw = f.read()
         except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged compressed stream
             raise DataError(f"{path}: cannot read ({e})") from None
+    if raw.startswith(b"\x1f\x8b"):  # gzip's magic number: compressed, without the .gz name that says so
+        raise DataError(f"{path}: gzip-compressed data; name the file with .gz, or decompress it (gunzip)")
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     if not raw.strip() and not blank_ok:
@@ -187,7 +189,7 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
     src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
     check_line_counts(src_path, src, tgt_path, tgt)
     for path, lines in ((src_path, src), (tgt_path, tgt)):
-        if (tabbed := sum("\t" in line for line in lines)) > len(lines) / 2:
+        if (tabbed := sum("\t" in line.strip() for line in lines)) > len(lines) / 2:  # not a trailing one
             log.warning("%s: %d of %d lines hold a tab: a tab-separated file of both languages? This reads one "
                         "language per file, line for line with the other's", path, tabbed, len(lines))
     keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
