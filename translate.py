@@ -14,6 +14,7 @@ and autocast from the checkpoint's config, so that it reproduces the run's test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -92,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if to_stdout:
+    if to_stdout:  # UTF-8, as the input and the corpus files are, whatever the locale (a latin-1 one raised on ⁇)
+        with contextlib.suppress(AttributeError, ValueError):  # a stream that cannot be reconfigured: as it is
+            sys.stdout.reconfigure(encoding="utf-8")
         sys.stdout.write(text)
     if references is not None:
         tgt_lang = (ckpt.get("config") or {}).get("data", {}).get("tgt_lang")

@@ -275,8 +275,9 @@ def translate(
     limit = model.args.max_positions if max_positions is None else max_positions or None
     for i, ids in zip(kept, sources, strict=True):
         if limit is not None and len(ids) + 1 > limit:
+            whose = "the model's max_positions" if max_positions is None else "--max-positions"
             raise UserError(f"{source_name}:{i + 1}: {len(ids) + 1:,} source positions (with the special token), "
-                            f"above the model's max_positions={limit}; split that line, or allow it with "
+                            f"above {whose}={limit}; split that line, or allow it with "
                             "--max-positions (0: any length; decoding it may need a lot of memory)")
     out = [""] * len(texts)
     for i, ids in zip(kept, translate_ids(model, sources, src_codec, tgt_codec, device, max_positions=limit, **kwargs)):

@@ -353,9 +353,18 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: {long}:2: 1,101 source positions (with the special token), above the model's max_positions=1024; "
         "split that line, or allow it with --max-positions (0: any length; decoding it may need a lot of memory)")
+    assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu", "--max-positions", "12"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"error: {long}:2: 1,101 source positions (with the special token), above --max-positions=12; ")
     assert translate.main([str(ckpts), "--input", str(long), "--device", "cpu", "--max-positions", "0",
                            "--max-len-a", "0", "--max-len-b", "3"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+    # translations written to a terminal of another encoding: UTF-8 still, as the files are (⁇ raised in latin-1)
+    unknown = "import sys, translate, src.tokenizers as t; t.SpacyCodec.decode = lambda self, ids: '⁇ Hund'; " \
+              "sys.exit(translate.main(sys.argv[1:]))"
+    latin = run_cli("-c", unknown, str(ckpts), "--input", str(source), "--device", "cpu",
+                    env_extra={"PYTHONIOENCODING": "latin-1"})
+    assert latin.returncode == 0 and latin.stdout.splitlines() == ["", "", "⁇ Hund"], latin.stderr[-2000:]
     assert error(str(ckpts), "--tokenizer", str(tmp_path / "other_tokenizer")).startswith(
         f"error: {tmp_path / 'other_tokenizer'}: not the tokenizer of {ckpts / 'best.pt'} (source vocabulary 6 here")
     assert error(str(ckpts), "--output", str(tmp_path)) == (
