@@ -171,6 +171,7 @@ class LengthLimitStats:
     def as_dict(self) -> dict:
         return {
             "overlong": self.overlong,
+            "pairs_before": self.total_pairs,
             "pairs_affected": self.pairs,
             "pairs_affected_share": self.pairs / max(1, self.total_pairs),
             "src_tokens_removed": self.src_tokens_removed,

@@ -105,6 +105,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         )
         if not len(train_split):
             raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
+        info["sentences"]["train"] = len(train_split)  # the pairs trained on (overlong=drop leaves some out)
     if strategy.trim_vocab:  # after truncation: the pieces of the pairs trained on, as they are trained on
         from ..building import count_parameters  # (the model's modules: only here)
 
