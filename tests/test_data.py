@@ -207,11 +207,32 @@ def make_multi30k(root, n=(12, 4, 3), langs=("de", "en")):
     return root
 
 
-def test_multi30k_reader_on_generated_files(tmp_path):
-    c = load_multi30k("de", "en", make_multi30k(tmp_path), cache_dir=tmp_path / "cache")
+def test_multi30k_reader_on_generated_files(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        c = load_multi30k("de", "en", make_multi30k(tmp_path), cache_dir=tmp_path / "cache")
     assert [len(c.splits[s]) for s in ("train", "valid", "test")] == [12, 4, 3]
     assert c.splits["test"].src[2] == "test_2016_flickr de satz 2"
     assert c.splits["test"].tgt[2] == "test_2016_flickr en satz 2"
+    # not the official files: said, file by file (a copy with a line changed trains without a word otherwise)
+    assert sorted(r.getMessage() for r in caplog.records) == sorted(
+        f"{tmp_path / name}: not the official Multi30k file (its SHA-256 differs): scores compare with those of "
+        "runs on this copy only" for name in ("train.de.gz", "train.en.gz", "val.de.gz", "val.en.gz",
+                                              "test_2016_flickr.de.gz", "test_2016_flickr.en.gz"))
+
+
+def test_the_corpus_digest_is_its_text_wherever_its_files_are(tmp_path):
+    """A run's summary names its data by the digest of the text read (data.digest): the same sentences in
+    another folder have the same one, a line changed another."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    a = load_multi30k("de", "en", make_multi30k(tmp_path / "a"), cache_dir=tmp_path / "cache")
+    b = load_multi30k("de", "en", make_multi30k(tmp_path / "b"), cache_dir=tmp_path / "cache")
+    assert a.digest == b.digest and len(a.digest) == 24
+    write(tmp_path / "b" / "train.en.gz", [f"train en satz {i}" for i in range(11)] + ["changed"], gz=True)
+    assert load_multi30k("de", "en", tmp_path / "b", cache_dir=tmp_path / "cache").digest != a.digest
+    assert load_multi30k("en", "de", tmp_path / "a", cache_dir=tmp_path / "cache").digest != a.digest  # the direction
 
 
 def test_multi30k_errors_name_key_and_file(tmp_path):
@@ -353,11 +374,15 @@ def test_multi30k_downloads_into_the_cache_once(http_root, tmp_path, monkeypatch
 
 
 @pytest.mark.skipif(multi30k_root() is None, reason="set MULTI30K_ROOT to the folder of the real Multi30k raw files")
-def test_multi30k_reader_on_the_real_files(tmp_path):
+def test_multi30k_reader_on_the_real_files(tmp_path, caplog):
+    import logging
+
     root = multi30k_root()
     for name, digest in MULTI30K_SHA256.items():
         assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest, name
-    c = load_multi30k("de", "en", root, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        c = load_multi30k("de", "en", root, tmp_path)
+    assert not caplog.records  # the official files: nothing to say
     assert [len(c.splits[s]) for s in ("train", "valid", "test")] == [29000, 1014, 1000]
     assert c.splits["train"].src[0] == "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche."
     assert c.splits["train"].tgt[0] == "Two young, White males are outside near many bushes."

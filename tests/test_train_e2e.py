@@ -39,6 +39,7 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     assert summary["status"] == "completed" and summary["strategy"] == "none" and summary["device"] == "cpu"
     assert summary["steps"] == 6 and summary["tokens_per_s"] > 0 and summary["peak_memory_mb"] > 0
     assert isinstance(summary["test_bleu"], float) and summary["sacrebleu_signature"].startswith("nrefs:1|")
+    assert summary["data"]["name"] == "synthetic" and len(summary["data"]["digest"]) == 24
     # what it ran on: this checkout's commit, the versions, the processor
     env = summary["environment"]
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()

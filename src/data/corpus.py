@@ -9,6 +9,7 @@ at the first that fails (each is retried first).
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import http.client
@@ -59,6 +60,20 @@ class Corpus:
     @property
     def train(self) -> ParallelText:
         return self.splits["train"]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of the text of every split, both sides (24 hex digits): two runs with the same digest read the
+        same sentences, wherever the files were (the encoding cache's key, and the run summary's ``data.digest``)."""
+        h = hashlib.sha256()
+        for name in sorted(self.splits):
+            split = self.splits[name]
+            h.update(f"\0{name}\0{len(split)}".encode())
+            for side in (split.src, split.tgt):
+                text = "\n".join(side).encode()
+                h.update(len(text).to_bytes(8, "little"))  # each side's length first: no text moves across the border
+                h.update(text)
+        return h.hexdigest()[:24]
 
     def where(self, split: str, i: int, side: int = 0) -> str:
         """Where pair ``i`` of ``split`` is: its file's line (source, or target: ``side`` 1), or its number in a
@@ -311,10 +326,13 @@ LOCAL_COPY_HINT = ("to use a local copy instead, point data.root at a folder hol
 
 
 def multi30k_file(filename: str, root: str | Path | None, cache_dir: Path, url: str, download_ok: bool = True) -> Path:
-    if root is not None:  # a local copy: use it as is (plain or gzip-compressed)
+    if root is not None:  # a local copy: used as is (plain or gzip-compressed), said where it is not the official
         root = Path(root).expanduser()  # a directory: load_multi30k checked
         for candidate in (root / filename, root / filename.removesuffix(".gz")):
             if candidate.is_file():
+                if candidate.name == filename and sha256(candidate) != MULTI30K_SHA256[filename]:
+                    log.warning("%s: not the official Multi30k file (its SHA-256 differs): scores compare with "
+                                "those of runs on this copy only", candidate)
                 return candidate
         raise DataError(f"{root / filename}: file not found; data.root must hold the Multi30k task-1 raw files")
     cached = cache_dir / "multi30k" / filename

@@ -92,7 +92,8 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
     check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy, conf["trainer"])
     check_vocabularies(corpus, encoded, conf["tokenizer"])
-    info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()}}
+    info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()},
+                  "data": {**corpus.description, "digest": corpus.digest}}  # what was read, and its text's digest
     if encoded.encode_peak_rss_mb is not None:
         info["encode_peak_rss_mb"] = round(encoded.encode_peak_rss_mb, 1)
     train_split = encoded.splits["train"]
