@@ -284,6 +284,17 @@ def test_every_documented_command_composes():
             pytest.fail(f"{where}\n  {e}")
 
 
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_an_optim_group_given_beside_a_preset_trains_with_its_schedule(preset):
+    """A preset chooses an optim group; another given on the command line takes that group's learning rate and
+    warmup (multi30k_small set optim.lr and warmup_steps itself, so optim=noam trained at Adam's 5e-4 after 400
+    steps under noam's name)."""
+    for group in ("adam", "noam"):
+        own = OmegaConf.load(CONF / "optim" / f"{group}.yaml")
+        optim = compose_config(f"experiment={preset}", f"optim={group}").optim
+        assert (optim.name, optim.lr, optim.warmup_steps) == (group, own.lr, own.warmup_steps)
+
+
 def test_a_presets_value_is_not_the_type_its_key_takes():
     """paper_base sets trainer.max_len_a to 1, an integer; the key takes a number, as its group default (1.5) says."""
     check_command_line(["experiment=paper_base", "trainer.max_len_a=1.2"])
