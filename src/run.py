@@ -70,6 +70,7 @@ from .state import (
     Progress,
     check_resumable,
     clear_for_fresh_start,
+    config_changes,
     drop_later_checkpoints,
     find_resume,
     prune,
@@ -486,6 +487,8 @@ class TrainingRun:
             self.trainer.scaler.load_state_dict(ckpt["scaler"])
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
         self.p = p = Progress.from_checkpoint(ckpt)
+        p.resumes.append({"step": p.step, "changed": config_changes(ckpt.get("config") or {}, self.conf)})
+        self.info["resumes"] = p.resumes  # every attempt's changes, those of earlier resumes with the checkpoint
         p.accum_steps = _accum_from_here(p, self.strategy.accum_steps)
         self.window.restore(p.totals)
         self.peak.load_run_state(p.memory)

@@ -46,6 +46,7 @@ class Progress:
     totals: dict = field(default_factory=dict)  # the training window's running totals (tokens, seconds, ...)
     memory: dict = field(default_factory=dict)  # the memory ledger's peaks so far (PeakMemory.run_state)
     window: dict = field(default_factory=dict)  # a stop's log window, still open: the resumed run logs it whole
+    resumes: list = field(default_factory=list)  # each resume: its step and the settings changed there
 
     def to_dict(self) -> dict:
         """As a checkpoint holds it: ``trained`` as one tensor (a list of millions of ints, late in an epoch of a
@@ -307,6 +308,27 @@ def check_resumable(path: Path, ckpt: dict, model_args: dict, conf: dict, vocab_
     if differ:
         log.warning("%s: resumed with other %s settings than the run that wrote it; the rest of this run will not be "
                     "the one that run would have trained", path, ", ".join(differ))
+
+
+# where a run reads and writes, and how it starts, not what it trains: not a change of the run's settings
+PLACE_KEYS = ("paths", "ckpt_path", "trainer.resume")
+
+
+def config_changes(before: dict, now: dict, prefix: str = "") -> dict:
+    """The settings of ``now`` that differ from ``before`` (a checkpoint's config), by dotted key: ``{"optim.lr":
+    [0.0005, 0.001]}``; a key one side lacks has null there. Where the run's files are (``PLACE_KEYS``) is left
+    out. A resumed run keeps them (``Progress.resumes``): its config.yaml is the last attempt's alone."""
+    changes = {}
+    for key in [*before, *(k for k in now if k not in before)]:
+        name = f"{prefix}{key}"
+        if name in PLACE_KEYS:
+            continue
+        old, new = before.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes.update(config_changes(old, new, f"{name}."))
+        elif old != new:
+            changes[name] = [old, new]
+    return changes
 
 
 # the files a run writes into its directory through a temporary file (fileio's atomic writes); the folders

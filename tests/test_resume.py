@@ -190,6 +190,14 @@ def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_t
     assert [lrs[0][s] for s in (5, 6)] == [lrs[1][s] for s in (5, 6)]
     assert "other optimizer settings than the checkpoint's (betas, lr)" in caplog.text
     assert "accum_steps 2 from here (the checkpoint's 1)" in caplog.text
+    # config.yaml is the last attempt's: the summary keeps what each resume changed, and where
+    again = train(fast_cfg(*new[1:], "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.resume=auto"))
+    (first, second) = again["resumes"]
+    assert first["step"] == 4 and second == {"step": 6, "changed": {"trainer.max_steps": [6, 8],
+                                                                    "optim.warmup_steps": [400, 2]}}
+    assert first["changed"]["optim.lr"] == [5e-4, 1e-4] and first["changed"]["optim.betas"] == [[0.9, 0.98], [0.8, 0.99]]
+    assert first["changed"]["memory.accum_steps"] == [1, 2] and first["changed"]["trainer.max_steps"] == [4, 6]
+    assert not any(key.startswith(("paths.", "trainer.resume")) for key in first["changed"])
 
 
 def test_a_run_resumed_with_another_warmup_trains_at_its_rate_from_the_first_step(fast_cfg, tmp_path, shared_cache,
