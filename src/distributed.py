@@ -22,8 +22,10 @@ from .errors import ConfigError
 
 _host_group: dist.ProcessGroup | None = None  # gloo beside NCCL for World.any (None: the default group, gloo)
 # How long the other ranks wait for each machine's first to read and tokenize the corpus (World.local_main_first),
-# on a gloo group of their own: a WMT-sized corpus takes longer than the process group's 30 minutes, after which
-# the barrier failed the run. (A monitored barrier's timeout does not cover its sends.)
+# and for rank 0's validations and test (``long_wait``), on a gloo group of their own: a WMT-sized corpus, or
+# beam search over a large test set on the CPU, takes longer than the process group's 30 minutes, after which the
+# barrier failed the run. (A monitored barrier's timeout does not cover its sends.) A rank that fails instead
+# ends the wait at once: torchrun stops the others.
 DATA_WAIT = datetime.timedelta(hours=12)
 _data_group: dist.ProcessGroup | None = None
 
@@ -51,9 +53,10 @@ class World:
             return torch.device("cuda", self.local_rank)
         return device
 
-    def barrier(self) -> None:
+    def barrier(self, long_wait: bool = False) -> None:
+        """Every rank here; ``long_wait``: for rank 0's evaluation, up to ``DATA_WAIT``."""
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=_data_group if long_wait else None)
 
     @contextlib.contextmanager
     def local_main_first(self):
@@ -86,12 +89,12 @@ class World:
         dist.all_reduce(t, group=_host_group)
         return bool(t.item())
 
-    def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast(self, obj, long_wait: bool = False):
+        """Rank 0's ``obj`` on every rank; ``long_wait``: as ``barrier``'s."""
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=_data_group if long_wait else None)
         return box[0]
 
     def gather(self, obj) -> list:

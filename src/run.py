@@ -314,10 +314,10 @@ def _run(conf: dict, strategy: MemoryStrategy, run_dir: Path, begin: Callable[[]
     try:
         run.fit()
         if not world.main:
-            world.barrier()
+            world.barrier(long_wait=True)  # rank 0 tests
             return {**run.info, "steps": run.p.step}
         test_scores = run.test()
-        world.barrier()
+        world.barrier(long_wait=True)
     except BaseException:
         if world.main:
             reached.update(run.info, **run.figures())
@@ -810,7 +810,7 @@ class TrainingRun:
         p.last_eval_step = p.step
         states = full_state(self.model, self.optimizer, True) if self.strategy.fsdp else None  # every rank takes part
         scores = self.validate(self.evaluation_model(states and states[0])) if world.main else None
-        scores = world.broadcast(scores)
+        scores = world.broadcast(scores, long_wait=True)
         if scores["bleu"] > p.best_bleu:
             p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
             self.save(self.best_path, states)

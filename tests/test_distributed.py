@@ -444,3 +444,21 @@ def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monk
     assert World().device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert World(rank=3, size=4, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 1)
     assert World(rank=1, size=2, local_rank=1).device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_the_ranks_wait_for_rank_0s_evaluation_on_the_long_group(monkeypatch):
+    """Rank 0 validates and tests alone; the others wait on the gloo group of DATA_WAIT (12 hours), not the
+    process group's 30 minutes, which beam search over a large test set on the CPU outlasts."""
+    import src.distributed as distributed
+
+    long_group, seen = object(), []
+    monkeypatch.setattr(distributed, "_data_group", long_group)
+    monkeypatch.setattr(distributed.dist, "barrier", lambda group=None: seen.append(("barrier", group)))
+    monkeypatch.setattr(distributed.dist, "broadcast_object_list",
+                        lambda box, src, group=None: seen.append(("broadcast", group)))
+    world = World(rank=1, size=2)
+    world.barrier(long_wait=True)
+    world.broadcast({"bleu": 1.0}, long_wait=True)
+    world.barrier()
+    world.broadcast("run dir")
+    assert seen == [("barrier", long_group), ("broadcast", long_group), ("barrier", None), ("broadcast", None)]
