@@ -649,7 +649,7 @@ class TrainingRun:
         retries = self.strategy.backoffs(world.distributed)
         for attempt in range(retries + 1):
             micro = micro_batches(self.train_split, indices, sizes, p.accum_steps, tgt_codec.pad_id, tgt_codec.bos_id,
-                                  tgt_codec.eos_id)
+                                  tgt_codec.eos_id, pin=self.device.type == "cuda")
             parts = len(micro)
             if self.strategy.fsdp and world.distributed:  # as many forward and backward passes on every rank
                 micro += micro[-1:] * (max(min(p.accum_steps, len(b)) for b in group) - parts)

@@ -76,7 +76,7 @@ class Progress:
 
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():  # a GPU run's (a CPU run on a GPU machine starts no CUDA context for them)
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

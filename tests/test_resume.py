@@ -904,3 +904,17 @@ def test_every_rank_resumes_from_rank_0s_checkpoint(tmp_path):
     newest.write_bytes(b"PK\x03\x04")
     with pytest.raises(ConfigError, match=r"step_00000006.pt: rank 0 resumes from it, rank 1 cannot read it \("):
         same_checkpoint_on_every_rank(_Rank(1, rank_0s), (older, {}))
+
+
+def test_a_cpu_run_on_a_gpu_machine_starts_no_cuda_context(fast_cfg, monkeypatch):
+    """trainer.device=cpu where a GPU is visible: batches are not pinned (page-locked memory is for copies to a
+    GPU, and pinning starts a CUDA context) and checkpoints hold no CUDA generators (reading them starts one)."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("a CUDA call in a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("get_rng_state_all", "init"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", no_cuda)
+    summary = train(fast_cfg("trainer.device=cpu", "trainer.max_steps=2", "trainer.save_every=2"))
+    assert summary["status"] == "completed" and summary["device"] == "cpu"

@@ -47,12 +47,13 @@ def pad_stack(seqs: list[Tensor], pad_id: int) -> Tensor:
     return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id)
 
 
-def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_id: int) -> Batch:
+def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_id: int, pin: bool = False) -> Batch:
+    """A padded batch; ``pin``: in page-locked host memory, whose copy to the GPU overlaps compute (for a batch
+    bound for a GPU only: pinning starts a CUDA context, which a CPU run on a GPU machine does not need)."""
     eos, bos = torch.tensor([eos_id]), torch.tensor([bos_id])
     src_seqs = [torch.cat([s, eos]) for s in src]
     tgt_in = [torch.cat([bos, t]) for t in tgt]
     tgt_out = [torch.cat([t, eos]) for t in tgt]
-    pin = torch.cuda.is_available()  # page-locked host memory lets the copy to the GPU overlap compute
     tensors = [pad_stack(x, pad_id) for x in (src_seqs, tgt_in, tgt_out)]
     if pin:
         tensors = [t.pin_memory() for t in tensors]
@@ -150,10 +151,10 @@ def epoch_batches(
 
 
 def micro_batches(split: EncodedSplit, indices: list[int], sizes: list[int], parts: int, pad_id: int, bos_id: int,
-                  eos_id: int) -> list[Batch]:
+                  eos_id: int, pin: bool = False) -> list[Batch]:
     """One optimizer step's batch as ``parts`` padded micro-batches of neighbouring lengths (``split_batch``)."""
     return [
-        collate([split.src[i] for i in part], [split.tgt[i] for i in part], pad_id, bos_id, eos_id)
+        collate([split.src[i] for i in part], [split.tgt[i] for i in part], pad_id, bos_id, eos_id, pin)
         for part in split_batch(indices, sizes, parts)
     ]
 
