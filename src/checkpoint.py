@@ -141,7 +141,9 @@ def _run_step(ckpt: dict) -> tuple[str | None, int | None]:
 
 def averaged_checkpoint(paths: Sequence[Path], device: torch.device) -> dict:
     """The first checkpoint, its model weights replaced by the mean of all the checkpoints' (floating-point
-    tensors; the rest as in the first). They are read one at a time: two in memory at once, however many."""
+    tensors; the rest as in the first). They are read one at a time, however many: in memory at once are the first
+    (kept for what the result takes from it, its optimizer state included), the float64 sum (twice the weights) and
+    the one being added."""
     first_path, first = paths[0], read_checkpoint(paths[0], device)
     if len(paths) == 1:
         return first

@@ -1,5 +1,7 @@
-"""The machine's measured matrix-multiply rate: what achieved training FLOP/s (a run's ``model_tflops``, counted by
-``ModelArgs.training_flops``) is compared with, for model FLOP utilization on a machine without a datasheet peak."""
+"""The machine's measured matrix-multiply rate (``matmul_rate``): what the experiments compare achieved training
+FLOP/s with (a run's ``model_tflops``, counted by ``ModelArgs.training_flops``) on a machine without a datasheet
+peak; a run computes ``mfu`` only against ``trainer.peak_tflops``. And ``FlopCount``, the FLOPs an operator-level
+count finds in a step (the planner's compute line)."""
 
 from __future__ import annotations
 

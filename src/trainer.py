@@ -263,7 +263,8 @@ class Trainer:
         """One optimizer step over the micro-batches of one batch.
 
         Data-parallel: ``step_tgt_tokens`` are the target tokens of the step's batches on all ranks, the loss's
-        divisor; gradients are synchronized once, during the last micro-batch's backward. ``real=False`` (an
+        divisor; DDP synchronizes gradients once, during the last micro-batch's backward (FSDP reduce-scatters them
+        in every micro-batch's, keeping them sharded). ``real=False`` (an
         epoch's last step with fewer batches than ranks) keeps this rank in step with a loss multiplied by 0; so
         do the micro-batches after the first ``real_parts`` (FSDP: a rank whose batch has fewer pairs than
         accum_steps repeats one, as every micro-batch's forward and backward run collectives on every rank).

@@ -12,7 +12,8 @@ from .distributed import World
 class Window:
     """Training figures between two log lines, read from the device once per window rather than per step,
     plus the run's totals. The clock runs only while training steps run: it is paused (after the GPU catches
-    up) for evaluation.
+    up) for evaluation. A step that ran out of memory and was redone smaller (memory.oom_retries) is timed whole,
+    its failed attempt included: the time the run spent on it.
 
     The steps the memory tracker counts (``PeakMemory.counts``) are timed apart: its Python call per operator
     slows them (on the CPU by 5-40%, more where a strategy runs more, smaller operators, as accum does), so
