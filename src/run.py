@@ -764,7 +764,8 @@ class TrainingRun:
         stop's: the log window not yet logged too). Data-parallel: called on every rank (each rank's random
         generators are gathered, FSDP's shards too); rank 0 writes it."""
         p, world = self.p, self.world
-        if path is None:
+        step_file = path is None  # else best.pt
+        if step_file:
             self.saved_step = p.step
         p.totals, p.memory = self.window.totals(), self.peak.run_state()
         p.window = {"train": self.window.open_state(), "memory": self.peak.window_state()} if carry_window else {}
@@ -778,12 +779,12 @@ class TrainingRun:
                      **self.ckpt_meta)
         target = path or self.ckpt_dir / f"step_{p.step:08d}.pt"
         # a step checkpoint at the step best.pt was just written at holds the same state: one file, two names
-        if not (path is None and not p.window and self.best_written == p.step
-                and link_atomically(self.best_path, target)):
+        same_as_best = step_file and not p.window and self.best_written == p.step
+        if not (same_as_best and link_atomically(self.best_path, target)):
             save_checkpoint(target, **state)
-        if path is None:
+        if step_file:
             prune(self.ckpt_dir, self.keep_last, self.save_every, p.step if final else None)
-        else:  # best.pt
+        else:
             self.best_written = p.step
 
     # ------------------------------------------------------------------------------------------- evaluation
