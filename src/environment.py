@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def git_state(repo: Path = REPO) -> dict:
-    """The checked-out commit and whether tracked files differ from it; nulls outside a git checkout (an unpacked
-    archive) or without git."""
+    """The checked-out commit and whether the code differs from it: a tracked file changed, or an untracked Python
+    or YAML file (a module or a config a run can read: conf/experiment/mine.yaml) not ignored; other untracked
+    files (notes, plots) do not count. Nulls outside a git checkout (an unpacked archive) or without git."""
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
@@ -26,8 +27,12 @@ def git_state(repo: Path = REPO) -> dict:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"git_commit": commit, "git_dirty": None if changes is None else bool(changes)}
+    changes = git("status", "--porcelain", "--untracked-files=all") if commit else None
+    if changes is None:
+        return {"git_commit": commit, "git_dirty": None}
+    code = (".py", ".yaml", ".yml")
+    dirty = any(not line.startswith("??") or line.rstrip().endswith(code) for line in changes.splitlines())
+    return {"git_commit": commit, "git_dirty": dirty}
 
 
 def cpu_name() -> str:

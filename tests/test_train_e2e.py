@@ -96,8 +96,12 @@ def test_git_state_names_the_commit_and_local_changes(tmp_path):
     git("commit", "-qm", "a")
     head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert git_state(tmp_path) == {"git_commit": head.strip(), "git_dirty": False}
-    (tmp_path / "b.py").write_text("y = 2\n")  # untracked: not a change to the code that ran
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "plot.png").write_bytes(b"png")  # untracked, not code: not a change to what ran
     assert git_state(tmp_path)["git_dirty"] is False
+    (tmp_path / "notes" / "mine.yaml").write_text("seed: 2\n")  # untracked config (a preset): a run can read it
+    assert git_state(tmp_path)["git_dirty"] is True
+    (tmp_path / "notes" / "mine.yaml").unlink()
     (tmp_path / "a.py").write_text("x = 2\n")
     assert git_state(tmp_path) == {"git_commit": head.strip(), "git_dirty": True}
 
