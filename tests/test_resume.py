@@ -918,3 +918,18 @@ def test_a_cpu_run_on_a_gpu_machine_starts_no_cuda_context(fast_cfg, monkeypatch
     monkeypatch.setattr(torch.Tensor, "pin_memory", no_cuda)
     summary = train(fast_cfg("trainer.device=cpu", "trainer.max_steps=2", "trainer.save_every=2"))
     assert summary["status"] == "completed" and summary["device"] == "cpu"
+
+
+def test_the_best_checkpoint_is_the_validation_with_the_highest_bleu(fast_cfg, tmp_path, monkeypatch):
+    """Validations scoring 5, 30 and 10 BLEU: best.pt is the second's, and the summary's valid scores are its (in
+    tiny runs every validation scores about 0, so a comparison of the wrong sign passed every other test)."""
+    validate, given = src.run.TrainingRun.validate, iter([5.0, 30.0, 10.0])
+
+    def scored(self, m):
+        return {**validate(self, m), "bleu": next(given)}
+
+    monkeypatch.setattr(src.run.TrainingRun, "validate", scored)
+    summary = train(fast_cfg("trainer.max_steps=9", "trainer.eval_every=3"))
+    assert summary["best_step"] == 6 and summary["valid_bleu"] == 30.0
+    best = load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
+    assert best["progress"]["step"] == 6 and best["progress"]["best_bleu"] == 30.0

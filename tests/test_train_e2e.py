@@ -754,6 +754,34 @@ def test_a_windows_grad_norm_leaves_out_fp16_skipped_steps():
     assert "grad_norm" not in window.flush()
 
 
+def test_a_windows_loss_is_per_token_of_the_updates_taken_on_every_rank():
+    """The logged loss is the summed loss over the target tokens of the updates taken: a non-finite step (no
+    update) adds neither, and under torchrun the ranks' sums and tokens are added alike, so two ranks of the same
+    batch log what one process logs (the loss summed over ranks over one rank's tokens was world_size times too
+    large)."""
+    from src.distributed import World
+    from src.trainer import StepStats
+    from src.window import Window
+
+    class TwoRanks(World):  # both ranks saw the same batches: every sum doubles
+        def all_sum(self, values, device):
+            return [2 * float(v) for v in values]
+
+    steps = [StepStats(torch.tensor(12.0), torch.tensor(9.0), 6, 5, 14, torch.tensor(1.0)),
+             StepStats(torch.tensor(float("nan")), torch.tensor(float("nan")), 1000, 5, 1010, torch.tensor(1.0),
+                       nonfinite=True),
+             StepStats(torch.tensor(8.0), torch.tensor(6.0), 4, 5, 10, torch.tensor(1.0))]
+    logged = []
+    for world in (World(), TwoRanks(rank=0, size=2)):
+        window = Window(torch.device("cpu"), world)
+        for stats in steps:
+            window.add(stats)
+        logged.append(window.flush())
+    for metrics in logged:
+        assert metrics["loss"] == 20.0 / 10 and metrics["nll"] == 15.0 / 10
+    assert logged[1]["tgt_tokens"] == 2 * logged[0]["tgt_tokens"] == 2 * 1010
+
+
 def test_throughput_leaves_out_the_steps_the_memory_tracker_counted(monkeypatch):
     """The tracker's Python call per operator slows the steps it counts: a window's and the run's tokens/s and
     model FLOP/s are those of the other steps, each kind of step timed on its own clock; where it counted every

@@ -413,3 +413,26 @@ def test_a_sweeps_next_job_compiles_its_own_graph(one_batch_update, monkeypatch)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == job
         assert rel_update_diff(updates(start, model), reference) < 1e-4
     torch._dynamo.reset()
+
+
+def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nlls_exponent():
+    """valid_loss, valid_nll and valid_ppl: sums over every target token, </s> included, divided by their number,
+    whatever the batching (it was only ever compared between runs that would share a wrong divisor)."""
+    from types import SimpleNamespace
+
+    from src.evaluate import validation_loss
+
+    model, _ = model_and_trainer(MemoryStrategy())
+    split = make_split()
+    codec = SimpleNamespace(pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    got = validation_loss(model, split, codec, torch.device("cpu"), batch_size=3, label_smoothing=0.1)
+    loss = nll = tokens = 0.0
+    with torch.no_grad():
+        for src, tgt in zip(split.src, split.tgt, strict=True):
+            out = torch.cat([tgt, torch.tensor([EOS])])
+            logits = model(torch.cat([src, torch.tensor([EOS])])[None], torch.cat([torch.tensor([BOS]), tgt])[None])[0]
+            loss += F.cross_entropy(logits, out, label_smoothing=0.1, reduction="sum").item()
+            nll += F.cross_entropy(logits, out, reduction="sum").item()
+            tokens += len(out)
+    assert got["loss"] == pytest.approx(loss / tokens, rel=1e-5) and got["nll"] == pytest.approx(nll / tokens, rel=1e-5)
+    assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
