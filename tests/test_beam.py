@@ -239,3 +239,11 @@ def test_no_translation_is_longer_than_the_models_positions(model, beam_size):
     free, capped = lengths(None), lengths(5)
     assert free[0] == 3 and free[1] > 5  # the reverser writes n words and </s>, or about that
     assert capped == [3, 5]
+
+
+def test_the_length_penalty_is_gnmts():
+    """Wu et al. (2016): lp(Y) = ((5 + |Y|) / 6) ** alpha, by which a hypothesis's log-probability is divided, so
+    with alpha > 0 a longer one of the same log-probability scores higher (the exhaustive-search test divides by
+    this same function, so it cannot catch a wrong formula)."""
+    assert length_penalty(7, 0.6) == pytest.approx(2**0.6) and length_penalty(7, 0.0) == 1.0
+    assert -3.0 / length_penalty(9, 0.6) > -3.0 / length_penalty(4, 0.6)

@@ -1,6 +1,8 @@
 """The Transformer: masks do what they claim, the layers compute what PyTorch's compute, the KV cache equals the full
 forward pass, sizes match the paper."""
 
+import math
+
 import pytest
 import torch
 
@@ -226,3 +228,17 @@ def test_layers_compute_what_pytorchs_transformer_layers_compute_with_the_same_w
     grad_ours = torch.autograd.grad(ours.square().sum(), model.src_embed.tokens.weight)[0]
     grad_theirs = torch.autograd.grad(theirs.square().sum(), model.src_embed.tokens.weight)[0]
     torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_embeddings_are_scaled_by_the_root_of_d_model_and_add_the_papers_positions():
+    """Section 3.4 and 3.5: token embeddings times sqrt(d_model), plus PE(pos, 2i) = sin(pos / 10000^(2i/d)) and
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); from an offset (decoding one token at a time), that position's."""
+    from src.model import Embedding, sinusoidal_positions
+
+    pe = sinusoidal_positions(3, 4)
+    assert torch.allclose(pe[1], torch.tensor([math.sin(1), math.cos(1), math.sin(1e-2), math.cos(1e-2)]))
+    embed = Embedding(vocab=10, d_model=16, pad_id=1, dropout=0.0)
+    ids = torch.tensor([[4, 7, 2]])
+    expected = embed.tokens.weight[ids] * 4.0 + sinusoidal_positions(3, 16)
+    torch.testing.assert_close(embed(ids), expected)
+    torch.testing.assert_close(embed(ids[:, 2:], offset=2), expected[:, 2:])

@@ -436,3 +436,23 @@ def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nl
             tokens += len(out)
     assert got["loss"] == pytest.approx(loss / tokens, rel=1e-5) and got["nll"] == pytest.approx(nll / tokens, rel=1e-5)
     assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_fp16_clips_the_unscaled_gradients():
+    """memory.amp=fp16: the GradScaler's scaled gradients are unscaled before clipping, so the norm clipped and
+    logged is the true one and the update is fp32's, up to fp16 rounding (clipped while scaled, nearly every
+    update shrank by the scale, 2^10 here)."""
+    split = make_split()
+    results = []
+    for strategy in (MemoryStrategy(), MemoryStrategy(amp="fp16")):
+        model, trainer = model_and_trainer(strategy)
+        trainer.clip_grad_norm = 0.5
+        if strategy.amp:
+            trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        before = copy.deepcopy(model)
+        stats = trainer.step(micro_batches(split, 1))
+        assert not stats.skipped
+        results.append((float(stats.grad_norm), updates(before, model)))
+    (norm32, update32), (norm16, update16) = results
+    assert norm32 > 0.5 and norm16 == pytest.approx(norm32, rel=0.02)  # clipping applies: the norm is above 0.5
+    assert rel_update_diff(update16, update32) < 0.05
