@@ -933,3 +933,23 @@ def test_the_best_checkpoint_is_the_validation_with_the_highest_bleu(fast_cfg, t
     assert summary["best_step"] == 6 and summary["valid_bleu"] == 30.0
     best = load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")
     assert best["progress"]["step"] == 6 and best["progress"]["best_bleu"] == 30.0
+
+
+def test_a_resumed_fp16_run_continues_with_the_checkpoints_loss_scale(fast_cfg, tmp_path, monkeypatch):
+    """The GradScaler's scale (and its growth tracker) is part of the state a run resumes: started again at 2^16,
+    a run whose scale had backed off to 2^10 would skip steps to overflow again."""
+    fp16 = ["memory=amp", "memory.amp=fp16", "trainer.save_every=2"]
+    train(fast_cfg(*fp16, "trainer.max_steps=4"))
+    path = tmp_path / "run" / "checkpoints" / "step_00000004.pt"
+    ckpt = load_checkpoint(path)
+    ckpt["scaler"] = {**ckpt["scaler"], "scale": 1024.0, "_growth_tracker": 7}
+    torch.save(ckpt, path)
+    resume, seen = src.run.TrainingRun._resume, []
+
+    def resuming(self, *args):
+        resume(self, *args)
+        seen.append(self.trainer.scaler.state_dict())
+
+    monkeypatch.setattr(src.run.TrainingRun, "_resume", resuming)
+    assert train(fast_cfg(*fp16, "trainer.max_steps=6", "trainer.resume=auto"))["resumed_from"]["step"] == 4
+    assert seen[0]["scale"] == 1024.0 and seen[0]["_growth_tracker"] == 7
