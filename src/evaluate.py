@@ -373,6 +373,12 @@ def evaluation_sets(corpus: Corpus, encoded: EncodedCorpus, limit: int | None = 
     return sets
 
 
+def unknown_words(hyp_ids: Sequence[Sequence[int]], eos_id: int, unk_id: int) -> int:
+    """The unknown tokens the translations hold up to their ``</s>``: each is written as the word
+    ``tokenizers.UNK_TEXT``, one wrong word in BLEU (a small vocabulary's cost)."""
+    return sum(list(ids[:ids.index(eos_id)] if eos_id in ids else ids).count(unk_id) for ids in hyp_ids)
+
+
 class Evaluator:
     """A run's validation loss and translations of its evaluation sets, at its precision and with its decoding
     settings. Out of memory (the training state leaves evaluation less room than it had at the start, beams
@@ -406,9 +412,7 @@ class Evaluator:
         self.decode_s[split] = round(time.perf_counter() - t0, 3)
         hyps = [self.tgt_codec.decode(ids) for ids in hyp_ids]
         scores = score(hyps, s.text.tgt, self.tgt_codec.lowercase, self.tgt_lang)
-        eos, unk = self.tgt_codec.eos_id, self.tgt_codec.unk_id
-        # unknown words written (tokenizers.UNK_TEXT), each one wrong word in BLEU: a small vocabulary's cost
-        scores["unk_words"] = sum(ids[:ids.index(eos)].count(unk) if eos in ids else ids.count(unk) for ids in hyp_ids)
+        scores["unk_words"] = unknown_words(hyp_ids, self.tgt_codec.eos_id, self.tgt_codec.unk_id)
         return scores, hyps
 
     def _backing_off(self, task: Callable[[int], T], what: str) -> T:

@@ -8,7 +8,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from src.errors import NumericalError
-from src.evaluate import beam_search, greedy_decode, length_penalty
+from src.evaluate import beam_search, greedy_decode, length_penalty, unknown_words
 from src.model import ModelArgs, Transformer
 
 BOS, PAD, EOS = 0, 1, 2
@@ -247,3 +247,11 @@ def test_the_length_penalty_is_gnmts():
     this same function, so it cannot catch a wrong formula)."""
     assert length_penalty(7, 0.6) == pytest.approx(2**0.6) and length_penalty(7, 0.0) == 1.0
     assert -3.0 / length_penalty(9, 0.6) > -3.0 / length_penalty(4, 0.6)
+
+
+def test_the_unknown_words_of_the_translations_are_counted_up_to_their_end():
+    """summary's test_unk_words: every <unk> a translation holds before its </s> (after it, padding's place, none
+    is written), in every translation, the last too (a tiny run writes none, so its own check was 0 == 0)."""
+    UNK = 3
+    hyps = [[5, UNK, 6, EOS, UNK], [UNK, UNK], [], [7, EOS], [UNK, 8, EOS, PAD]]
+    assert unknown_words(hyps, EOS, UNK) == 4

@@ -186,6 +186,9 @@ def test_pairs_with_an_empty_side_are_skipped_in_training_and_kept_in_held_out_s
     paths = write(tmp_path / "x.de", ["a", "", "c"]), write(tmp_path / "x.en", ["A", "B", "C"])
     pt = read_parallel(*paths)
     assert pt.src == ["a", "c"] and pt.tgt == ["A", "C"]
+    # a later error names the pair's line in the files, not its number among those kept
+    where = corpus_mod.Corpus("de", "en", {"train": pt}, {"train": [str(p) for p in paths]}).where
+    assert (where("train", 1), where("train", 1, side=1)) == (f"{paths[0]}:3", f"{paths[1]}:3")
     held_out = read_parallel(*paths, held_out=True)
     assert held_out.src == ["a", "", "c"] and held_out.tgt == ["A", "B", "C"]
 

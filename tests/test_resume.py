@@ -51,7 +51,10 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
     assert summary["resumed_from"]["step"] == 10 and summary["steps"] == 24
 
     a, b = losses(straight), losses(killed)
-    assert sorted(a) == sorted(b) == list(range(1, 25))  # steps 11-12 were logged twice: the second time counts
+    assert sorted(a) == sorted(b) == list(range(1, 25))
+    # steps 11-12, logged by the killed attempt, were trained again: their rows are the second attempt's alone
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == [
+        r["step"] for r in read_jsonl(straight / "metrics.jsonl")]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-6, abs=1e-6), step
     sa, sb = final_state(straight), final_state(killed)

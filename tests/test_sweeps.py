@@ -187,6 +187,29 @@ def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_each_figure_of_the_report_is_under_its_own_header(tmp_path):
+    """A job whose every figure differs: each cell of its row is under the header that names it (valid and test
+    BLEU swapped passed every other test)."""
+    d = tmp_path / "sweep" / "0"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("- memory=amp\n")
+    (d / "config.yaml").write_text("data: {batch_size: 32}\nmemory: {accum_steps: 2}\n")
+    split = dict(zip(("parameters", "gradients", "optimizer", "activations", "logits", "backward"),
+                     (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), strict=True))
+    (d / "summary.json").write_text(json.dumps({
+        "status": "completed", "strategy": "amp", "peak_memory_mb": 123.4, "peak_memory_split_mb": split,
+        "peak_reserved_mb": 150.5, "tokens_per_s": 4567.0, "mfu": 0.25, "steps": 89, "valid_bleu": 12.34,
+        "test_bleu": 56.78}))
+    (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n')
+    _, _, table = write_report(tmp_path / "sweep")
+    head, _, row = (line.strip("| ").split(" | ") for line in table.splitlines() if line.startswith("|"))
+    cells = dict(zip(head, row, strict=True))
+    assert cells == {"job": "0", "run": "amp", "effective batch": "32 pairs (2 x 16)", "peak memory (MiB)": "123.4",
+                     **{name: f"{mib:.1f}" for name, mib in split.items()}, "CUDA reserved": "150.5",
+                     "tokens/s": "4,567", "MFU": "25.0%", "steps": "89", "valid BLEU": "12.34",
+                     "test BLEU": "56.78", "status": "completed"}
+
+
 def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tmp_path):
     """A sweep launched again into its directory: job 0 is refused before its run begins (its directory holds
     the earlier launch's checkpoints), which leaves the directory as it was. Its row gave the earlier launch's
