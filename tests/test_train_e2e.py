@@ -372,6 +372,16 @@ def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_fil
     assert latin.returncode == 0 and latin.stdout.splitlines() == ["", "", "⁇ Hund"], latin.stderr[-2000:]
     assert error(str(ckpts), "--tokenizer", str(tmp_path / "other_tokenizer")).startswith(
         f"error: {tmp_path / 'other_tokenizer'}: not the tokenizer of {ckpts / 'best.pt'} (source vocabulary 6 here")
+    # of the same sizes, two words' ids swapped: it would load, and translate into the wrong words
+    from src.tokenizers import codec_from_state, load_codecs
+
+    run_src, run_tgt = load_codecs(ckpts.parent / "tokenizer")
+    swapped = run_src.state()
+    swapped["itos"][5], swapped["itos"][6] = swapped["itos"][6], swapped["itos"][5]
+    save_codecs(tmp_path / "swapped", codec_from_state(swapped), run_tgt)
+    assert error(str(ckpts), "--tokenizer", str(tmp_path / "swapped")) == (
+        f"error: {tmp_path / 'swapped'}: not the tokenizer of {ckpts / 'best.pt'} (the same vocabulary sizes, other "
+        "entries); pass that run's tokenizer directory")
     assert error(str(ckpts), "--output", str(tmp_path)) == (
         f"error: --output {tmp_path}: is a directory; name a file (or - for standard output)")
     if not torch.cuda.is_available():
