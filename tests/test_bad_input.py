@@ -32,6 +32,7 @@ COMMAND_LINE = [
     ("a key of another option of the group", ["data=multi30k", "data.train_size=100"],
      "data.train_size: no such key in the data option chosen; it is a setting of data=synthetic"),
     ("value of the wrong type", ["trainer.max_steps=abc"], "trainer.max_steps=abc: expected an integer"),
+    ("a boolean for an integer", ["trainer.max_steps=true"], "trainer.max_steps=true: expected an integer"),
     ("flag that is not true or false", ["memory.checkpoint=yes"], "memory.checkpoint=yes: expected true or false"),
     ("top-level value of the wrong type", ["seed=abc"], "seed=abc: expected an integer"),
     ("a flag given where a number is expected", ["optim.label_smoothing=true"],

@@ -897,3 +897,37 @@ def test_the_cache_key_keeps_the_sides_apart_and_leaves_out_other_languages_pipe
     # a spaCy pipeline named for a language the corpus does not have changes nothing: the same key (it re-tokenized)
     assert cache_key(first, {**tokenizer, "models": {"fr": "fr_core_news_sm"}}) == cache_key(first, tokenizer)
     assert cache_key(first, {**tokenizer, "models": {"de": "de_core_news_sm"}}) != cache_key(first, tokenizer)
+
+
+def test_the_position_limit_counts_the_special_token_exactly():
+    """model.max_positions=5: a sentence of 4 tokens (5 positions with its </s> or <s>) trains, one of 5 is refused
+    naming its line; memory.max_src_len=4 is accepted, 5 refused (translate.py refuses what training accepted,
+    where training let one position more through)."""
+    from types import SimpleNamespace
+
+    from src.data.encode import EncodedSplit
+    from src.data.prepare import check_positions
+    from src.memory import MemoryStrategy
+
+    def corpus_of(src_len: int):
+        text = corpus_mod.ParallelText(["x"], ["y"])
+        corpus = corpus_mod.Corpus("de", "en", {"train": text}, {"train": ["train.de", "train.en"]})
+        split = EncodedSplit([torch.zeros(src_len, dtype=torch.long)], [torch.zeros(2, dtype=torch.long)])
+        return corpus, SimpleNamespace(splits={"train": split})
+
+    check_positions(*corpus_of(4), 5, MemoryStrategy(), {})
+    with pytest.raises(DataError, match=r"^train.de:1: 6 source / 3 target positions .* above model.max_positions=5"):
+        check_positions(*corpus_of(5), 5, MemoryStrategy(), {})
+    check_positions(*corpus_of(9), 5, MemoryStrategy(max_src_len=4), {})  # cut to 4
+    with pytest.raises(ConfigError, match=r"^memory.max_src_len=5: above model.max_positions=5 less the special"):
+        check_positions(*corpus_of(9), 5, MemoryStrategy(max_src_len=5), {})
+
+
+def test_the_encoding_cache_is_keyed_by_the_languages_too():
+    """The same text under another language code is another tokenizer's (spaCy's rules per language): another
+    cache entry, not the first language's ids and vocabulary."""
+    from src.data.encode import cache_key
+
+    text = {"train": corpus_mod.ParallelText(["ein Haus"], ["a house"])}
+    spacy = {"name": "spacy", "min_freq": 1}
+    assert cache_key(corpus_mod.Corpus("de", "en", text), spacy) != cache_key(corpus_mod.Corpus("nl", "en", text), spacy)

@@ -585,3 +585,10 @@ def test_a_sweeps_next_job_starts_without_the_earlier_jobs_tensors(fast_cfg, mon
     finally:
         gc.enable()
     assert alive_at_build == [[], [False]]
+
+
+def test_out_of_memory_back_offs_are_3_in_one_process_and_none_under_torchrun_by_default():
+    """Under torchrun every rank must redo the step, which costs DDP's overlap of all-reduce with backward: only
+    where memory.oom_retries asks for it."""
+    assert MemoryStrategy().backoffs(False) == 3 and MemoryStrategy().backoffs(True) == 0
+    assert MemoryStrategy(oom_retries=1).backoffs(True) == 1 and MemoryStrategy(oom_retries=0).backoffs(False) == 0
