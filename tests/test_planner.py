@@ -750,3 +750,19 @@ def test_plan_checks_memory_autos_choice_against_its_budget(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and line.split(" | ")[1].startswith("auto")]
     assert len(rows) == 2 and {row.split(" | ")[-3] for row in rows} == {"yes (1 GB)", "yes (2 GB)"}
+
+
+def test_plan_py_plans_xlmrs_one_vocabulary_as_one_shared_embedding(fast_cfg):
+    """tokenizer=xlmr has one vocabulary for both sides: the model shares one embedding between the encoder, the
+    decoder and the output layer, and the plan counts it once (planned apart, 2 x 1,000 x d_model too many)."""
+    from src.building import model_args
+    from src.planning import plan_config
+
+    sizes = ["plan.src_len=20", "plan.tgt_len=18", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
+    plans = {name: plan_config(OmegaConf.to_container(fast_cfg(*sizes, f"tokenizer={name}"), resolve=True))[1]
+             for name in ("xlmr", "spacy")}
+    conf = OmegaConf.to_container(fast_cfg(), resolve=True)
+    with torch.device("meta"):
+        shared, apart = (Transformer(model_args(conf["model"], 1000, 1000, share, pad_id=1)).num_parameters()
+                         for share in (True, False))
+    assert (plans["xlmr"].parameters, plans["spacy"].parameters) == (shared, apart) and shared < apart

@@ -210,6 +210,19 @@ def test_each_figure_of_the_report_is_under_its_own_header(tmp_path):
                      "test BLEU": "56.78", "status": "completed"}
 
 
+def test_a_sweep_of_twelve_jobs_is_reported_in_job_order(tmp_path):
+    """Jobs 0 to 11 come in their numbers' order, not as text sorts them (0, 1, 10, 11, 2, ...)."""
+    for job in range(12):
+        d = tmp_path / "sweep" / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")
+        (d / "summary.json").write_text(json.dumps({"status": "completed", "strategy": "none", "peak_memory_mb": 1.0}))
+        (d / "metrics.jsonl").write_text('{"step": 2, "loss": 5.0}\n')
+    _, _, table = write_report(tmp_path / "sweep")
+    rows = [line.strip("| ").split(" | ")[0] for line in table.splitlines() if line.startswith("| ")][1:]
+    assert rows == [str(job) for job in range(12)]
+
+
 def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tmp_path):
     """A sweep launched again into its directory: job 0 is refused before its run begins (its directory holds
     the earlier launch's checkpoints), which leaves the directory as it was. Its row gave the earlier launch's
