@@ -126,3 +126,20 @@ def test_german_commas_prepositions_and_unambiguous_plurals():
     assert any(re.search(r"\b(an|am) (\w+ ){0,2}" + sides, de) for de in german)
     assert any(re.search(r"\bauf (\w+ ){0,2}(Tisch|Tischen|Brücke|Brücken)\b", de) for de in german)
     assert all(n.en != n.en_pl for n in NOUNS)
+
+
+def test_the_dative_feminine_the_first_person_and_an_dem_and_long_sentences():
+    """Forms the corpus draws rarely enough that sampled checks passed without them: "in der Küche" (not "in die
+    Küche"), "I am" / "ich bin", "am Fenster" (an + dem), and long sentences that are longer than max_clauses."""
+    import random
+
+    from src.data.synthetic import Grammar
+
+    kitchen, window = NounPhrase(noun("kitchen"), "def", False), NounPhrase(noun("window"), "def", False)
+    assert kitchen.de("dat") == ["der", "Küche"]
+    tired = Clause(Pronoun("I", "ich", "1sg"), BE, predicate=adj("tired"))
+    assert (tired.en(), tired.de()) == ("I am tired", "ich bin müde")
+    sits = Clause(NounPhrase(noun("dog"), "def", False), BE, predicate=adj("tired"), pp=(("on", "an"), window))
+    assert sits.de().endswith("am Fenster müde") and sits.en().endswith("on the window")
+    grammar = Grammar(random.Random(0), LengthDistribution(max_clauses=2, long_fraction=1.0, long_clauses=4))
+    assert {grammar.num_clauses() for _ in range(1000)} == {3, 4}
