@@ -462,3 +462,26 @@ def test_the_ranks_wait_for_rank_0s_evaluation_on_the_long_group(monkeypatch):
     world.barrier()
     world.broadcast("run dir")
     assert seen == [("barrier", long_group), ("broadcast", long_group), ("barrier", None), ("broadcast", None)]
+
+
+def test_gradients_are_averaged_in_buckets_of_at_most_the_bucket_size(monkeypatch):
+    """With memory.oom_retries under torchrun the gradients are all-reduced after backward, flattened into buckets
+    of DDP's size (one dtype each): no bucket over it, each all-reduce one bucket, and each gradient the mean."""
+    import src.distributed as distributed
+    from src.distributed import average_gradients
+
+    sizes, dtypes = [], []
+
+    def all_reduce(flat):
+        sizes.append(flat.nbytes)
+        dtypes.append(flat.dtype)
+        flat.mul_(2)  # two ranks of equal gradients
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    params = [torch.nn.Parameter(torch.ones(n, dtype=dtype)) for n, dtype in
+              ((100, torch.float32), (150, torch.float32), (50, torch.float32), (100, torch.bfloat16))]
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    assert average_gradients(params, World(rank=0, size=2), bucket_bytes=1000) == 3
+    assert sizes == [1000, 200, 200] and dtypes == [torch.float32, torch.float32, torch.bfloat16]
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in params)

@@ -4,6 +4,7 @@ truncated checkpoint is passed over, and NaN losses are skipped or stop the run.
 import json
 import logging
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_t
     assert [lrs[0][s] for s in (5, 6)] == [lrs[1][s] for s in (5, 6)]
     assert "other optimizer settings than the checkpoint's (betas, lr)" in caplog.text
     assert "accum_steps 2 from here (the checkpoint's 1)" in caplog.text
+    assert "resumed with other memory, optim settings than the run that wrote it" in caplog.text
     # config.yaml is the last attempt's: the summary keeps what each resume changed, and where
     again = train(fast_cfg(*new[1:], "trainer.max_steps=8", "optim.warmup_steps=2", "trainer.resume=auto"))
     (first, second) = again["resumes"]
@@ -754,6 +756,12 @@ def test_a_fault_acts_at_its_step_alone_and_times_0_keeps_it_off():
     Fault("error", at_step=2, times=0).maybe_raise(2)
     with pytest.raises(ConfigError, match=r"^fault.times=-1: must be an integer >= 0$"):
         check_fault({"kind": "error", "times": -1})
+    # under torchrun, fault.rank alone fails; without it, every rank
+    from src.faults import fault_settings
+
+    on_rank_1 = {"fault": {"kind": "oom", "at_step": 3, "rank": 1}}
+    assert [fault_settings(on_rank_1, rank)["kind"] for rank in (0, 1, 2)] == [None, "oom", None]
+    assert fault_settings({"fault": {"kind": "oom"}}, 2)["kind"] == "oom"
 
 
 def test_a_fault_step_without_a_kind_is_said_to_inject_nothing(caplog):
@@ -956,3 +964,16 @@ def test_a_resumed_fp16_run_continues_with_the_checkpoints_loss_scale(fast_cfg, 
     monkeypatch.setattr(src.run.TrainingRun, "_resume", resuming)
     assert train(fast_cfg(*fp16, "trainer.max_steps=6", "trainer.resume=auto"))["resumed_from"]["step"] == 4
     assert seen[0]["scale"] == 1024.0 and seen[0]["_growth_tracker"] == 7
+
+
+def test_a_checkpoint_given_with_nan_weights_is_refused_in_one_line(fast_cfg, tmp_path):
+    """ckpt_path naming a checkpoint whose weights hold NaN (bytes changed on disk that still load): refused, as
+    resume=auto passes over such a file; resumed, every step would be skipped as non-finite."""
+    train(fast_cfg("trainer.max_steps=2", "trainer.save_every=2"))
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000002.pt")
+    name = next(iter(ckpt["model"]))
+    ckpt["model"][name] = torch.full_like(ckpt["model"][name], float("nan"))
+    torch.save(ckpt, tmp_path / "nan.pt")
+    with pytest.raises(ConfigError, match=rf"^ckpt_path=\S+nan\.pt: {re.escape(name)} holds NaN or infinite values$"):
+        train(compose_config(*FAST, f"ckpt_path={tmp_path / 'nan.pt'}", run_dir=tmp_path / "other",
+                             cache_dir=tmp_path / "cache"))
