@@ -51,9 +51,10 @@ def validation_loss(
     sizes = pair_sizes(split)
     loss = nll = 0.0
     tokens = 0
+    pin = torch.device(device).type == "cuda"
     for idx in batch_indices(sizes, batch_size, shuffle=False):
         b = collate([split.src[i] for i in idx], [split.tgt[i] for i in idx], codec.pad_id, codec.bos_id, codec.eos_id,
-                    pin=torch.device(device).type == "cuda")
+                    pin)
         b = b.to(device)
         with autocast():
             ls, ns = batch_loss(model, b, codec.pad_id, label_smoothing, loss_chunk)
