@@ -223,13 +223,23 @@ def sinusoidal_positions(max_len: int, d_model: int) -> Tensor:
     return pe
 
 
-class Embedding(nn.Module):
-    """Token embedding scaled by sqrt(d_model), plus sinusoidal positions, then dropout."""
+def normal_table(rows: int, d_model: int) -> nn.Parameter:
+    """A rows x d_model parameter drawn once from N(0, d_model^-0.5), on the current default device. nn.Embedding
+    and nn.Linear draw their own initialization first, which this one would overwrite: for XLM-R's 250,002 x 512
+    table, a second of a CPU core per draw."""
+    return nn.Parameter(torch.empty(rows, d_model).normal_(mean=0.0, std=d_model**-0.5))
 
-    def __init__(self, vocab: int, d_model: int, pad_id: int, dropout: float, max_len: int = 4096):
+
+class Embedding(nn.Module):
+    """Token embedding scaled by sqrt(d_model), plus sinusoidal positions, then dropout; ``tokens``, a table shared
+    with another Embedding (one vocabulary for source and target)."""
+
+    def __init__(self, vocab: int, d_model: int, pad_id: int, dropout: float, max_len: int = 4096,
+                 tokens: nn.Embedding | None = None):
         super().__init__()
-        self.tokens = nn.Embedding(vocab, d_model, padding_idx=pad_id)
-        nn.init.normal_(self.tokens.weight, mean=0.0, std=d_model**-0.5)
+        if tokens is None:
+            tokens = nn.Embedding(vocab, d_model, padding_idx=pad_id, _weight=normal_table(vocab, d_model))
+        self.tokens = tokens
         with torch.no_grad():
             self.tokens.weight[pad_id].zero_()
         self.scale = math.sqrt(d_model)
@@ -250,32 +260,29 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         a = args
+        if a.share_vocab and a.src_vocab != a.tgt_vocab:
+            raise ValueError("share_vocab needs one vocabulary for source and target")
         self.src_embed = Embedding(a.src_vocab, a.d_model, a.pad_id, a.dropout)
-        self.tgt_embed = Embedding(a.tgt_vocab, a.d_model, a.pad_id, a.dropout)
-        if a.share_vocab:
-            if a.src_vocab != a.tgt_vocab:
-                raise ValueError("share_vocab needs one vocabulary for source and target")
-            self.src_embed.tokens = self.tgt_embed.tokens
+        self.tgt_embed = Embedding(a.tgt_vocab, a.d_model, a.pad_id, a.dropout,
+                                   tokens=self.src_embed.tokens if a.share_vocab else None)
         self.encoder = nn.ModuleList(EncoderLayer(a) for _ in range(a.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(a) for _ in range(a.decoder_layers))
         # Pre-norm stacks need a final normalization; post-norm layers already end with one.
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.generator = nn.Linear(a.d_model, a.tgt_vocab, bias=False)
+        self.generator = nn.Linear(a.d_model, a.tgt_vocab, bias=False, device="meta")  # its weight: below
+        # an untied output projection starts like the embedding it would otherwise be (as fairseq does)
+        self.generator.weight = self.tgt_embed.tokens.weight if a.tie_embeddings else normal_table(a.tgt_vocab, a.d_model)
         if a.init not in INITS:
             raise ValueError(f"model.init={a.init!r}: expected {' or '.join(INITS)}")
         for name, p in self.named_parameters():
-            if "embed" in name:
+            if "embed" in name or name == "generator.weight":
                 continue
             if p.dim() > 1:
                 qkv = a.init == "fairseq" and name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj")
                 nn.init.xavier_uniform_(p, gain=2**-0.5 if qkv else 1.0)
             elif a.init == "fairseq" and name.endswith(".bias") and "norm" not in name:
                 nn.init.zeros_(p)
-        if a.tie_embeddings:
-            self.generator.weight = self.tgt_embed.tokens.weight
-        else:  # an untied output projection starts like the embedding it would otherwise be (as fairseq does)
-            nn.init.normal_(self.generator.weight, mean=0.0, std=a.d_model**-0.5)
         # memory=checkpoint: keep only each layer's input during training and recompute the layer in backward.
         # A run-time setting, not part of the architecture, so it is not in ModelArgs or the checkpoints.
         self.checkpoint_layers = False

@@ -84,6 +84,24 @@ def test_tied_and_shared_embeddings():
     assert shared.src_embed.tokens.weight is shared.tgt_embed.tokens.weight is shared.generator.weight
 
 
+def test_embedding_and_output_tables_start_from_normal_d_model_to_the_minus_half():
+    """Each token table, and an untied output projection, is drawn once from N(0, d_model^-0.5) (the paper's
+    scaled embeddings; fairseq's start), with the padding row zero; under a meta device nothing is allocated."""
+    torch.manual_seed(0)
+    for tie in (True, False):
+        model = Transformer(ModelArgs(src_vocab=3000, tgt_vocab=2000, pad_id=PAD, d_model=64, n_heads=4, d_ff=128,
+                                      encoder_layers=1, decoder_layers=1, tie_embeddings=tie))
+        tables = [model.src_embed.tokens.weight, model.tgt_embed.tokens.weight, model.generator.weight]
+        for table in tables:
+            assert table.shape[1] == 64 and abs(table.std().item() - 64**-0.5) < 0.005
+            assert abs(table.mean().item()) < 0.002
+        assert not tables[0][PAD].any() and not tables[1][PAD].any()
+        assert (tables[2] is tables[1]) == tie and tables[2][PAD].any() != tie  # an untied row of pad is learned
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(src_vocab=250_002, tgt_vocab=250_002, pad_id=PAD, share_vocab=True))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_base_model_has_the_papers_parameter_count():
     # Paper, table 3: base model 65M parameters, with a shared source-target BPE vocabulary of about 37,000.
     model = Transformer(ModelArgs(src_vocab=37000, tgt_vocab=37000, pad_id=PAD, share_vocab=True))
