@@ -64,3 +64,10 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
 
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a torchrun rank's random streams (its dropout masks) once the model is built: the run's on rank
+    0, and on another rank one drawn from (seed, rank). ``seed + rank`` gave rank 1 of seed 1 the masks of rank 0
+    of seed 2, so the runs of a sweep over consecutive seeds shared streams."""
+    return seed if rank == 0 else random.Random(f"{seed}/rank {rank}").getrandbits(63)
+

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
 
-from .building import build_model, build_optimizer, model_args, seed_everything
+from .building import build_model, build_optimizer, model_args, rank_seed, seed_everything
 from .checkpoint import averaged_checkpoint, save_checkpoint
 from .data.batching import epoch_batches, micro_batches, pair_sizes, split_batch
 from .data.encode import seq_lengths
@@ -406,7 +406,7 @@ class TrainingRun:
                                optim["label_smoothing"], optim["clip_grad_norm"], world, net)
         self.trainer.agree_on_oom = world.distributed and strategy.backoffs(world.distributed) > 0
         if world.distributed:  # the same weights on every rank (DDP checks), different dropout masks
-            seed_everything(conf["seed"] + world.rank)
+            seed_everything(rank_seed(conf["seed"], world.rank))
 
     def _plan_batches_and_evaluation(self) -> None:
         """The training batches' settings, the evaluation sets and their evaluator; what the run trains, in

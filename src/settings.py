@@ -203,7 +203,7 @@ def check_settings(conf: dict) -> None:
         log.warning("memory.budget_gb=%s: read by memory=auto alone; this run's strategy does not fit itself to it "
                     "(plan.py checks a card with plan.gpu_gb)", memory["budget_gb"])
     check_fault(conf.get("fault") or {})
-    seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1; torchrun's ranks add their rank to it
+    seed = conf.get("seed")  # torch.manual_seed takes -2**63 to 2**64 - 1
     if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63:
         raise ConfigError(f"seed={seed}: must be an integer from -2**63 to 2**63 - 1" + string_hint("seed", seed))
     check_plan(conf.get("plan") or {})

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 import src.run
+from src.building import rank_seed
 from src.data.batching import epoch_batches, micro_batches, pair_sizes
 from src.data.prepare import prepare_data
 from src.distributed import World, shard_steps
@@ -238,6 +239,14 @@ def test_a_checkpoint_of_two_ranks_resumes_in_one_process_training_each_batch_on
     straight = src.run.train(compose_config(*epoch, run_dir=tmp_path / "straight", cache_dir=shared_cache))
     assert resumed["resumed_from"]["step"] == 3 and resumed["steps"] == straight["steps"] - 3
     assert (resumed["src_tokens"], resumed["tgt_tokens"]) == (straight["src_tokens"], straight["tgt_tokens"])
+
+
+def test_no_rank_of_a_run_draws_the_stream_of_a_rank_of_a_run_with_another_seed():
+    """Rank 0 keeps the run's seed (a one-process run's stream); the other ranks' are drawn from (seed, rank), so
+    that a sweep over seeds 0-9 on 4 ranks uses 40 streams (seed + rank used 13: rank 1 of seed 1 was rank 0 of 2)."""
+    seeds = {(seed, rank): rank_seed(seed, rank) for seed in range(10) for rank in range(4)}
+    assert all(seeds[seed, 0] == seed for seed in range(10))
+    assert len(set(seeds.values())) == 40 and rank_seed(-5, 1) == rank_seed(-5, 1) != rank_seed(-4, 0)
 
 
 FSDP_RUN = [*FAST, "data.train_size=200", "trainer.max_steps=8", "trainer.eval_every=4", "trainer.log_every=1",
