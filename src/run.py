@@ -503,7 +503,7 @@ class TrainingRun:
         # Checkpoints written after this one, by an attempt that stopped: not this run's history, which may differ
         # (a shorter run, other settings), nor its test model (best.pt, or the newest for average_last)
         later = stale_best(best_path, p.step)
-        if world.main and (removed := drop_later_checkpoints(ckpt_dir, p.step)):
+        if world.main and (removed := drop_later_checkpoints(ckpt_dir, p.step, later)):
             log.warning("removed %s: written after step %d by an attempt that stopped, or unreadable", ", ".join(
                 stale.name for stale in removed), p.step)
         if later or not best_path.is_file():  # ckpt_path from another run: the best is among this run's validations

@@ -116,14 +116,15 @@ def step_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def drop_later_checkpoints(ckpt_dir: Path, step: int) -> list[Path]:
+def drop_later_checkpoints(ckpt_dir: Path, step: int, best_is_stale: bool | None = None) -> list[Path]:
     """Remove the checkpoints in ``ckpt_dir`` written after ``step`` by an attempt a resumed run does not continue
     (one that stopped after writing them, when an older checkpoint is resumed; the unreadable ones resume=auto
     passed over): pruning keeps the highest step numbers, average_last averages the newest, and a later
-    resume=auto takes the newest, so they would pass for this run's. Returns what was removed."""
+    resume=auto takes the newest, so they would pass for this run's. ``best.pt`` too where ``stale_best`` says so
+    (``best_is_stale``: what the caller's call of it said). Returns what was removed."""
     later = [path for s, path in step_checkpoints(ckpt_dir) if s > step]
     best = ckpt_dir / "best.pt"
-    if stale_best(best, step):
+    if best_is_stale if best_is_stale is not None else stale_best(best, step):
         later.append(best)
     for path in later:
         path.unlink(missing_ok=True)
