@@ -468,6 +468,9 @@ class TrainingRun:
                           "vocab": {"src": self.src_codec.vocab_digest(), "tgt": self.tgt_codec.vocab_digest()},
                           "config": self.conf}
         self.save_every = tr.get("save_every") or tr.get("eval_every")
+        if not self.save_every and self.world.main:
+            log.warning("trainer.eval_every and trainer.save_every are null: no checkpoint before the run ends (a "
+                        "signal still writes one; a crash loses the run): trainer.save_every=N keeps one every N steps")
         self.keep_last, self.average_last = tr["keep_last"], tr.get("average_last")
         self.on_nonfinite, self.max_nonfinite = tr["on_nonfinite"], tr["max_nonfinite"]
         self.peak_tflops = tr.get("peak_tflops")

@@ -845,14 +845,21 @@ def test_a_config_composed_in_python_is_told_its_run_directory_and_an_oom_leaves
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "oom"
 
 
-def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg):
+def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg, caplog):
     """19 batches an epoch: steps 1-19 are epoch 0, 20-38 epoch 1. The window that ends the run is logged with
-    its own epoch, not the next one the loop moved to."""
+    its own epoch, not the next one the loop moved to. Without eval_every or save_every, no checkpoint is written
+    before the end: said once."""
     cfg = fast_cfg("trainer.max_steps=null", "trainer.max_epochs=2", "trainer.log_every=5", "trainer.eval_every=null")
     train(cfg)
+    assert [r.message for r in caplog.records if "save_every" in r.message] == [
+        "trainer.eval_every and trainer.save_every are null: no checkpoint before the run ends (a signal still writes "
+        "one; a crash loses the run): trainer.save_every=N keeps one every N steps"]
+    assert [p.name for p in (Path(cfg.paths.output_dir) / "checkpoints").glob("step_*.pt")] == ["step_00000038.pt"]
     rows = [r for r in read_jsonl(Path(cfg.paths.output_dir) / "metrics.jsonl") if "loss" in r]
     assert [(r["step"], r["epoch"]) for r in rows] == [(5, 0), (10, 0), (15, 0), (20, 1), (25, 1), (30, 1), (35, 1),
                                                        (38, 1)]
+    train(fast_cfg("trainer.max_steps=2", "trainer.eval_every=null", "trainer.save_every=1", "trainer.resume=never"))
+    assert len([r for r in caplog.records if "save_every" in r.message]) == 1
 
 
 def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd, monkeypatch):
