@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from .errors import ConfigError, check_int
-from .fileio import atomic_dir, write_json
+from .fileio import atomic_dir, atomic_path, write_json
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,13 @@ def _looks_like_path(name: str) -> bool:
 
 
 def check_pipeline_dir(key: str, name: str) -> None:
-    """A spaCy pipeline given as a directory: one that ``nlp.to_disk`` wrote (a run trained with it reads it
-    again to translate)."""
+    """A spaCy pipeline given as a directory: one that ``nlp.to_disk`` wrote (a run trained with it keeps its
+    tokenizer: ``SpacyCodec.save``)."""
     path = Path(name).expanduser()
     if not path.is_dir():
         what = "not a" if path.exists() else "no such"
         raise ConfigError(f"{key}: {what} directory; give a pipeline directory written by nlp.to_disk, or an "
-                          "installed pipeline's name (a run trained with a directory needs it to translate)")
+                          "installed pipeline's name")
     if not (path / "config.cfg").is_file():
         raise ConfigError(f"{key}: not a spaCy pipeline directory (no config.cfg); give one written by nlp.to_disk")
 
@@ -209,6 +209,11 @@ def rules_sample(lines: int) -> bytearray:
     return chosen
 
 
+def saved_tokenizer_name(lang: str, model: str) -> str:
+    """The file ``SpacyCodec.save`` keeps a pipeline directory's tokenizer in (one per language and directory)."""
+    return f"spacy-{lang}-{_digest(model)[:8]}.tokenizer"
+
+
 class SpacyCodec(Codec):
     bos_id, pad_id, eos_id, unk_id = BOS, PAD, EOS, UNK
 
@@ -224,7 +229,9 @@ class SpacyCodec(Codec):
         spaced: bool = True,
         space_left: Iterable[str] = (),
         space_right: Iterable[str] = (),
+        saved: Path | None = None,
     ):
+        """``saved``: the tokenizer of ``model``, a pipeline directory, as ``save`` kept it with a run."""
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
             raise ValueError(f"vocabulary must start with {SPECIALS}")
         self.lang, self.itos, self.model, self.lowercase = lang, list(itos), model, lowercase
@@ -232,13 +239,26 @@ class SpacyCodec(Codec):
         self.glue_left, self.glue_right, self.paired = set(glue_left), set(glue_right), set(paired)
         # text written without spaces between words (learn_spacing): tokens join, but for those that take a space
         self.spaced, self.space_left, self.space_right = spaced, set(space_left), set(space_right)
-        self._tokenizer = None
+        self._tokenizer, self.saved = None, saved
 
     @property
     def tokenizer(self):
+        if self._tokenizer is None and self.saved is not None:
+            import spacy
+
+            self._tokenizer = spacy.blank(self.lang).tokenizer.from_disk(self.saved)
         if self._tokenizer is None:
             self._tokenizer = spacy_tokenizer(self.lang, self.model)
         return self._tokenizer
+
+    def save(self, directory: Path) -> None:
+        """A pipeline given as a directory: its tokenizer (rules and exceptions) kept with the run, which then
+        translates after the directory has moved or changed. An installed pipeline's name, or none
+        (``spacy.blank``), is found again by name."""
+        if self.model and _looks_like_path(self.model):
+            with atomic_path(directory / saved_tokenizer_name(self.lang, self.model)) as tmp:
+                self.tokenizer.to_disk(tmp)
+
 
     def spacy_docs(self, texts: Sequence[str]) -> Iterator:
         """Each text's spaCy doc, in Unicode's composed form (NFC; after lowercasing, which can decompose: T with
@@ -563,6 +583,8 @@ def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
             state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"],
             state.get("paired", ()),  # vocabularies saved before quotes were paired
             state.get("spaced", True), state.get("space_left", ()), state.get("space_right", ()),  # (or spacing)
+            saved if directory is not None and state["model"] and (
+                saved := directory / saved_tokenizer_name(state["lang"], state["model"])).is_file() else None,
         )
     if state["type"] == "hf":
         local = directory / "hf" if directory is not None else None

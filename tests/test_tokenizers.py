@@ -21,6 +21,7 @@ from src.tokenizers import (
     codec_from_state,
     load_codecs,
     save_codecs,
+    saved_tokenizer_name,
 )
 
 from .conftest import make_xlmr_tokenizer, multi30k_root
@@ -352,6 +353,29 @@ def test_a_spacy_pipeline_that_is_no_pipeline_is_named_in_one_line(tmp_path, cap
     (tmp_path / "de").rename(tmp_path / "moved")  # a run trained with it, translated after the folder moved
     with pytest.raises(ConfigError, match=f"^tokenizer.models.de={re.escape(str(tmp_path / 'de'))}: no such dir"):
         SpacyCodec("de", list(SPECIALS), model=str(tmp_path / "de")).encode(["Hallo"])
+
+
+def test_a_pipeline_directorys_tokenizer_is_kept_with_the_run(tmp_path):
+    """tokenizer.models.<lang> given as a directory: the run keeps that pipeline's tokenizer (its rules and special
+    cases) beside codecs.json, so the run's checkpoints translate as it trained after the directory has moved or
+    changed; a side without one (spacy.blank) keeps nothing."""
+    import spacy
+    from spacy.symbols import ORTH
+
+    nlp = spacy.blank("de")
+    nlp.tokenizer.add_special_case("Hallo", [{ORTH: "Hal"}, {ORTH: "lo"}])
+    nlp.to_disk(tmp_path / "de")
+    src = SpacyCodec.build(["Hallo Welt", "Welt"], "de", model=str(tmp_path / "de"))
+    tgt = SpacyCodec.build(["Hello world"], "en")
+    save_codecs(tmp_path / "run", src, tgt)
+    assert src.tokenize(["Hallo Welt"]) == [["Hal", "lo", "Welt"]]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["codecs.json",
+                                                                  saved_tokenizer_name("de", str(tmp_path / "de"))]
+    (tmp_path / "de").rename(tmp_path / "moved")
+    spacy.blank("de").to_disk(tmp_path / "de")  # another pipeline where the run's was
+    loaded, _ = load_codecs(tmp_path / "run")
+    assert loaded.tokenize(["Hallo Welt"]) == [["Hal", "lo", "Welt"]]
+    assert loaded.encode(["Hallo Welt"]) == src.encode(["Hallo Welt"]) and loaded.vocab_digest() == src.vocab_digest()
 
 
 @pytest.mark.skipif(multi30k_root() is None, reason="set MULTI30K_ROOT to the folder of the real Multi30k raw files")
