@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .building import build_model, build_optimizer, model_args, rank_seed, seed_everything
 from .checkpoint import averaged_checkpoint, save_checkpoint
@@ -596,9 +597,12 @@ class TrainingRun:
         (``Interrupted``)."""
         p, tr, world, device = self.p, self.tr, self.world, self.device
         profile_dir = self.run_dir / "profile" / (f"rank{world.rank}" if world.distributed else "")
+        # On a terminal, log lines go above the bar (tqdm's logging_redirect_tqdm): printed as they were, each began
+        # on the bar's line, after it. Not into a file, where it would redraw the bar after every line.
+        logs_above_bar = logging_redirect_tqdm() if self.bar_live and not self.bar.disable else contextlib.nullcontext()
         with (stop_on_signals() as stop,
               StepProfiler(profile_dir, tr.get("profile_from"), tr.get("profile_steps", 3), p.step,
-                           device) as profiler):
+                           device) as profiler, logs_above_bar):
             while not self.done():
                 for indices, real, group in self.steps(p.epoch, p.batches_done, p.trained):
                     profiler.step()

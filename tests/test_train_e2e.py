@@ -877,3 +877,31 @@ def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd, mon
     monkeypatch.setenv("TQDM_MININTERVAL", "0")
     train(fast_cfg(*settings, "trainer.resume=never"))
     assert len(redraws()) > 40
+
+
+def test_on_a_terminal_log_lines_go_above_the_progress_bar(fast_cfg, monkeypatch, caplog):
+    """A live bar (a terminal; TQDM_MININTERVAL here) and the log on one screen: each log line starts a line of
+    its own above the bar, which is drawn again below it. Before, a validation's line began on the bar's line,
+    after the bar ("none:  50%|#####     | 3/6 [...][2026-12-05 ...][src.run][INFO] - step 3: valid loss ...")."""
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)  # the bar's stream, and the log's, as Hydra's console handler is
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    caplog.set_level(logging.INFO)
+    logging.root.addHandler(handler)
+    try:
+        train(fast_cfg("trainer.progress=true", "trainer.max_steps=6", "trainer.eval_every=3"))
+    finally:
+        logging.root.removeHandler(handler)
+
+    def shown(line: str) -> str:  # what a terminal shows of a line: each carriage return writes over its start
+        text = ""
+        for part in line.split("\r"):
+            text = part + text[len(part):]
+        return text
+
+    lines = [shown(line) for line in screen.getvalue().split("\n")]
+    validations = [line for line in lines if "src.run: step" in line]
+    assert len(validations) == 2 and all(line.startswith("src.run: step") for line in validations), validations
+    assert any("6/6" in line for line in lines)
