@@ -555,6 +555,20 @@ def test_a_steps_model_flops_are_what_pytorchs_counter_counts_with_attention_als
     assert matmul_rate(torch.float32, n=256, repeats=2) > 1e8
 
 
+def test_the_matmul_rate_is_the_products_flops_as_pytorch_counts_them_over_the_time_they_take(monkeypatch):
+    """The rate that the throughput experiments compare achieved FLOP/s with (experiments/throughput): the FLOPs
+    FlopCounterMode counts for the products (2 per multiply-add) over their time, here a clock that says 2 s."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from src.flops import matmul_rate
+
+    with FlopCounterMode(display=False) as counter:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr("src.flops.time.perf_counter", lambda: next(clock))
+    assert matmul_rate(torch.float32, n=64, repeats=3) == 3 * counter.get_total_flops() / 2.0
+
+
 def test_a_later_run_in_the_process_records_the_malloc_setting_it_inherits(fast_cfg, caplog):
     """trainer.reuse_host_memory is process-wide once applied (mallopt): a later run in the same process (a sweep's
     next job) that asks for glibc's default still keeps freed memory, says so, and records it in its summary."""

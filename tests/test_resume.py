@@ -871,8 +871,9 @@ def test_the_pairs_trained_in_an_epoch_are_saved_as_one_tensor_and_load_from_eit
 
 
 def test_a_best_pt_unreadable_for_a_moment_is_kept_and_a_damaged_one_removed(tmp_path, monkeypatch):
-    """Resumed at step 4, best.pt goes when it is later (an attempt that stopped wrote it) or damaged; a read that
-    fails for the disk's or the host's reasons, not the file's, must not cost the run its best model."""
+    """Resumed at step 4, best.pt goes when it is later (an attempt that stopped wrote it) or damaged, and stays
+    when written at step 4 or before; a read that fails for the disk's or the host's reasons, not the file's, must
+    not cost the run its best model."""
     ckpts = tmp_path / "checkpoints"
     ckpts.mkdir()
     best = ckpts / "best.pt"
@@ -888,6 +889,11 @@ def test_a_best_pt_unreadable_for_a_moment_is_kept_and_a_damaged_one_removed(tmp
     assert drop_later_checkpoints(ckpts, 4) == [] and best.is_file()
     monkeypatch.setattr(torch, "load", load)
     assert drop_later_checkpoints(ckpts, 4) == [] and best.is_file()  # step 2: this run's
+    torch.save({"progress": {"step": 4}}, best)
+    assert drop_later_checkpoints(ckpts, 4) == [] and best.is_file()  # the resumed step's own validation's
+    torch.save({"progress": {"step": 5}}, best)
+    assert drop_later_checkpoints(ckpts, 4) == [best] and not best.exists()
+    torch.save({"progress": {"step": 2}}, best)
     best.write_bytes(best.read_bytes()[:100])
     assert drop_later_checkpoints(ckpts, 4) == [best] and not best.exists()
 

@@ -639,6 +639,22 @@ def markdown_rows(table: str) -> list[str]:
 
 
 
+def test_a_non_finite_figure_is_written_as_null(tmp_path):
+    """metrics.jsonl is JSON, which has no NaN or infinity (an fp16 overflow's grad_norm, the ppl of a loss above
+    88): both are written as null, which any JSON reader reads, not as Python's NaN or Infinity, which most refuse."""
+    from src.loggers import RunLogger
+
+    logger = RunLogger(tmp_path, {"wandb": {"mode": "disabled"}}, {"a": 1}, name="none")
+    logger.log({"loss": 1.5, "grad_norm": float("inf"), "ppl": float("nan"), "lr": -float("inf")}, step=1)
+    logger.finish({"status": "completed"})
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in logger.path.read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 1.5, "grad_norm": None, "ppl": None, "lr": None}]
+
+
 def test_wandb_modes(tmp_path, monkeypatch):
     """disabled logs nothing and finishes; online without a key is one clear line, before any training."""
     from src.errors import ConfigError

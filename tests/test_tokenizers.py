@@ -48,6 +48,16 @@ def test_vocabulary_specials_order_and_min_freq():
     assert len(SpacyCodec.build(TEXT, "de", min_freq=1, max_size=10)) == 10
 
 
+def test_a_detokenization_rule_needs_most_of_at_least_three_cases():
+    """A token is glued (or spaced) by rule when it was so in more than half of 3 or more of its occurrences in the
+    training text: 2 of 3, not 2 of 4 (half), nor 2 of 2 (too few to tell)."""
+    from src.tokenizers import _mostly
+
+    cases = [("a", True), ("a", False), ("a", True), ("b", True), ("b", False), ("b", True), ("b", False),
+             ("c", True), ("c", True), ("d", False), ("d", False), ("d", True)]
+    assert _mostly(cases) == {"a"}
+
+
 def test_detokenization_is_learned_from_the_training_text():
     codec = SpacyCodec.build(TEXT, "de", min_freq=1)
     assert {",", ".", "!", ")", ":", "“"} <= codec.glue_left
