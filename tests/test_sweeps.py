@@ -655,6 +655,22 @@ def test_a_non_finite_figure_is_written_as_null(tmp_path):
     assert rows == [{"step": 1, "loss": 1.5, "grad_norm": None, "ppl": None, "lr": None}]
 
 
+def test_rewinding_the_log_keeps_the_rows_up_to_the_resumed_step(tmp_path):
+    """A run resumed at step 2 trains steps 3 and 4 again: their rows go and step 2's stays; a row the crash cut
+    short is dropped."""
+    from src.loggers import RunLogger
+
+    logger = RunLogger(tmp_path, {"wandb": {"mode": "disabled"}}, {"a": 1}, name="none")
+    for step in (1, 2, 3, 4):
+        logger.log({"loss": float(step)}, step=step)
+    with logger.path.open("a") as f:
+        f.write('{"step": 5, "lo')
+    logger.rewind(2)
+    logger.log({"loss": 3.5}, step=3)
+    logger.finish({"status": "completed"})
+    assert [(r["step"], r["loss"]) for r in read_jsonl(logger.path)] == [(1, 1.0), (2, 2.0), (3, 3.5)]
+
+
 def test_wandb_modes(tmp_path, monkeypatch):
     """disabled logs nothing and finishes; online without a key is one clear line, before any training."""
     from src.errors import ConfigError
@@ -753,7 +769,8 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
 def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path, caplog):
     """hydra.sweep.dir given again: the report and the sweep's exit status are the latest launch's. Its jobs are
     those written since Hydra wrote multirun.yaml; an earlier launch's job (2: the sweep had three jobs, now two)
-    is left out, and a job of this launch killed before its summary (1) is not the earlier summary's "completed"."""
+    is left out, and a job of this launch killed before its summary (1) is not the earlier summary's "completed".
+    A job's file dated up to a second before multirun.yaml is this launch's: file systems keep coarse times."""
     import os
 
     from src.callbacks import SweepStatus, outcome
@@ -767,9 +784,10 @@ def test_a_sweep_launched_again_into_its_directory_reports_its_own_jobs(tmp_path
             os.utime(sweep / job / f, (1e9, 1e9))  # the earlier launch
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
     os.utime(sweep / "multirun.yaml", (1.5e9, 1.5e9))
-    for job, written in (("0", (".hydra/overrides.yaml", "summary.json")), ("1", (".hydra/overrides.yaml",))):
+    for job, written, when in (("0", (".hydra/overrides.yaml", "summary.json"), 1.5e9 + 60),
+                               ("1", (".hydra/overrides.yaml",), 1.5e9 - 0.5)):  # (a file system's coarse times)
         for f in written:
-            os.utime(sweep / job / f, (1.5e9 + 60, 1.5e9 + 60))
+            os.utime(sweep / job / f, (when, when))
     assert len(load_sweep(sweep)) == 3  # a report run later (on a copy, say) shows every job there
     jobs = load_sweep(sweep, latest_launch=True)
     assert [(j.name, j.status) for j in jobs] == [("0", "completed"), ("1", None)]
