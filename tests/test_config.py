@@ -375,3 +375,20 @@ def test_a_sweeping_preset_run_without_m_or_among_presets_says_what_runs():
         "note: experiment=multi30k_small,memory_sweep runs a job of each preset, without their own sweeps: "
         "experiment=memory_sweep (memory=none,amp,accum,truncate,checkpoint,chunked_ce,[amp,accum],[amp,checkpoint]); "
         "run a preset that sweeps on its own to run its sweep")
+
+
+def test_accum_steps_up_to_the_batchs_pairs_and_seeds_up_to_2_to_the_63_minus_1_are_taken():
+    """The edges of two settings checked before the data is read: micro-batches of one pair (accum_steps equal to
+    data.batch_size) are allowed, one more is not; the seed takes -2**63 to 2**63 - 1, as its message says."""
+    from src.settings import check_settings
+
+    def check(*overrides: str) -> None:
+        check_settings(OmegaConf.to_container(compose_config(*overrides, run_dir=Path("/nonexistent")), resolve=True))
+
+    check("memory=accum", "memory.accum_steps=64", "data.batch_size=64")
+    with pytest.raises(ConfigError, match=r"^memory.accum_steps=65: more micro-batches than the 64 pairs"):
+        check("memory=accum", "memory.accum_steps=65", "data.batch_size=64")
+    check(f"seed={2**63 - 1}")
+    check(f"seed={-2**63}")
+    with pytest.raises(ConfigError, match=rf"^seed={2**63}: must be an integer from -2\*\*63 to 2\*\*63 - 1"):
+        check(f"seed={2**63}")

@@ -931,3 +931,16 @@ def test_the_encoding_cache_is_keyed_by_the_languages_too():
     text = {"train": corpus_mod.ParallelText(["ein Haus"], ["a house"])}
     spacy = {"name": "spacy", "min_freq": 1}
     assert cache_key(corpus_mod.Corpus("de", "en", text), spacy) != cache_key(corpus_mod.Corpus("nl", "en", text), spacy)
+
+
+def test_extra_lines_are_blamed_on_blank_lines_only_where_every_one_is_blank():
+    """Files of 4 and 2 lines: where the longer one's last 2 lines are empty, the error says so (blank lines at its
+    end); where one of them holds text, the files differ in sentences and the hint would mislead."""
+    from src.data.corpus import check_line_counts
+
+    with pytest.raises(DataError, match=r"^a.de has 4 lines but a.en has 2 \(the last 2 line\(s\) of a.de are empty: "
+                                        r"blank lines at its end\?\); parallel files"):
+        check_line_counts("a.de", ["x", "y", "", " "], "a.en", ["x", "y"])
+    for extra in (["z", ""], ["", "z"]):
+        with pytest.raises(DataError, match=r"^a.de has 4 lines but a.en has 2; parallel files"):
+            check_line_counts("a.de", ["x", "y", *extra], "a.en", ["x", "y"])

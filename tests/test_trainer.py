@@ -104,6 +104,28 @@ def test_dividing_by_the_number_of_micro_batches_would_fail_the_same_check(one_b
     assert rel_update_diff(updates(start, wrong), reference) > 1e-3
 
 
+def test_a_step_is_the_label_smoothed_loss_per_target_token(one_batch_update):
+    """The loss a step descends is its label-smoothed sum over the batch's target tokens divided by their number
+    (as computed here by hand), not by its source tokens, its pairs or its padded positions; its figures say so."""
+    start, reference = one_batch_update
+    model, trainer = model_and_trainer(MemoryStrategy())
+    batch = micro_batches(make_split(), 1)[0]
+    assert batch.n_tgt_tokens != batch.n_src_tokens
+    loss_sum, _ = label_smoothed_loss(model(batch.src, batch.tgt_in), batch.tgt_out, PAD, 0.1)
+    (loss_sum / batch.n_tgt_tokens).backward()
+    trainer.optimizer.step()
+    assert rel_update_diff(updates(start, model), reference) < 1e-5
+    stats = model_and_trainer(MemoryStrategy())[1].step([batch])
+    assert (stats.n_tgt_tokens, stats.n_src_tokens) == (batch.n_tgt_tokens, batch.n_src_tokens)
+    assert stats.loss_sum.item() == pytest.approx(loss_sum.item(), rel=1e-5)
+
+
+def test_no_warmup_is_the_peak_rate_at_once_then_the_inverse_square_root():
+    """optim.warmup_steps=0, which the settings allow: the first step at the peak rate, then 1/sqrt(step)."""
+    factor = inverse_sqrt_schedule(0)
+    assert [factor(i) for i in range(3)] == [1.0, 2**-0.5, 3**-0.5]
+
+
 def test_bf16_step_runs_on_cpu_and_stays_close_to_fp32():
     """memory=amp computes in bf16 (the matrix products' outputs are bf16 during the step: a step left in fp32
     would pass a closeness check alone) and stays within 2% of the fp32 loss."""
