@@ -944,3 +944,19 @@ def test_extra_lines_are_blamed_on_blank_lines_only_where_every_one_is_blank():
     for extra in (["z", ""], ["", "z"]):
         with pytest.raises(DataError, match=r"^a.de has 4 lines but a.en has 2; parallel files"):
             check_line_counts("a.de", ["x", "y", *extra], "a.en", ["x", "y"])
+
+
+def test_encoding_says_how_far_it_is_every_half_minute_not_after_every_chunk(monkeypatch, caplog):
+    """A long split's progress line comes every PROGRESS_EVERY_S seconds since the last one, none at the end:
+    chunks done at 20, 40, ..., 120 s (a clock of the test's) are said at 40 and 80 s."""
+    from types import SimpleNamespace
+
+    clock = iter([0.0, 20.0, 40.0, 60.0, 80.0, 100.0, 120.0])
+    monkeypatch.setattr(encode_mod, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 1)
+    codec = SimpleNamespace(encode=lambda texts: [[5, 6] for _ in texts])
+    with caplog.at_level("INFO", logger="src.data.encode"):
+        packed = encode_mod._encode_packed(codec, ["a b"] * 6, "train.de")
+    assert packed["lengths"].tolist() == [2] * 6
+    said = [r.message for r in caplog.records if r.message.startswith("encoding train.de")]
+    assert [m.split(": ")[1].split(",")[0] for m in said] == ["2 of 6 lines", "4 of 6 lines"], said

@@ -983,3 +983,25 @@ def test_a_checkpoint_given_with_nan_weights_is_refused_in_one_line(fast_cfg, tm
     with pytest.raises(ConfigError, match=rf"^ckpt_path=\S+nan\.pt: {re.escape(name)} holds NaN or infinite values$"):
         train(compose_config(*FAST, f"ckpt_path={tmp_path / 'nan.pt'}", run_dir=tmp_path / "other",
                              cache_dir=tmp_path / "cache"))
+
+
+def test_checkpoints_of_one_run_that_record_no_step_are_averaged(tmp_path):
+    """averaged_checkpoint refuses a step given twice (best.pt beside its step checkpoint), told by the run and the
+    step each records; checkpoints that record no step (written before `progress` was kept) cannot be told apart
+    that way, and are averaged."""
+    from src.checkpoint import averaged_checkpoint
+    from src.errors import UserError
+
+    def write(name: str, weight: float, step: int | None) -> Path:
+        ckpt = {"model": {"w": torch.tensor([weight])}, "model_args": {"d_model": 8}, "config": {"paths": {
+            "output_dir": "/runs/a"}}}
+        if step is not None:
+            ckpt["progress"] = {"step": step}
+        torch.save(ckpt, tmp_path / name)
+        return tmp_path / name
+
+    old = [write("old1.pt", 1.0, None), write("old2.pt", 3.0, None)]
+    assert averaged_checkpoint(old, torch.device("cpu"))["model"]["w"].item() == 2.0
+    new = [write("step_4.pt", 1.0, 4), write("best.pt", 1.0, 4)]
+    with pytest.raises(UserError, match=r"best.pt: step 4 of the same run as .*step_4.pt"):
+        averaged_checkpoint(new, torch.device("cpu"))
