@@ -243,11 +243,11 @@ class SpacyCodec(Codec):
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None and self.saved is not None:
+        if self._tokenizer is None and self.saved is not None:  # the run's own copy of its pipeline's tokenizer
             import spacy
 
             self._tokenizer = spacy.blank(self.lang).tokenizer.from_disk(self.saved)
-        if self._tokenizer is None:
+        elif self._tokenizer is None:
             self._tokenizer = spacy_tokenizer(self.lang, self.model)
         return self._tokenizer
 
@@ -579,12 +579,12 @@ def build_codec(spec: dict, lang: str, train: Sequence[str]) -> Codec:
 
 def codec_from_state(state: dict, directory: Path | None = None) -> Codec:
     if state["type"] == "spacy":
+        saved = directory / saved_tokenizer_name(state["lang"], state["model"]) if directory and state["model"] else None
         return SpacyCodec(
             state["lang"], state["itos"], state["glue_left"], state["glue_right"], state["model"], state["lowercase"],
             state.get("paired", ()),  # vocabularies saved before quotes were paired
             state.get("spaced", True), state.get("space_left", ()), state.get("space_right", ()),  # (or spacing)
-            saved if directory is not None and state["model"] and (
-                saved := directory / saved_tokenizer_name(state["lang"], state["model"])).is_file() else None,
+            saved if saved is not None and saved.is_file() else None,
         )
     if state["type"] == "hf":
         local = directory / "hf" if directory is not None else None
