@@ -16,6 +16,7 @@ runs and long ones for memory experiments.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -421,6 +422,13 @@ class LengthDistribution:
             )
 
 
+@functools.cache
+def nouns_of(kinds: frozenset[str]) -> tuple[Noun, ...]:
+    """The nouns of any of these kinds, in NOUNS' order: listed once per set of kinds, not at every noun phrase
+    (a third of the corpus's generation time)."""
+    return tuple(n for n in NOUNS if n.kinds & kinds)
+
+
 class Grammar:
     def __init__(self, rng: random.Random, lengths: LengthDistribution):
         self.rng = rng
@@ -428,7 +436,7 @@ class Grammar:
 
     def noun_phrase(self, kinds: frozenset[str]) -> NounPhrase:
         r = self.rng
-        noun = r.choice([n for n in NOUNS if n.kinds & kinds])
+        noun = r.choice(nouns_of(kinds))
         plural = r.random() < 0.3
         det = r.choice(["def", "def", "this", "my", "none"] if plural else ["def", "def", "indef", "indef", "this", "my"])
         adjective = r.choice(ADJECTIVES) if r.random() < self.lengths.adjective_prob else None
