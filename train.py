@@ -31,10 +31,13 @@ def main(cfg: DictConfig) -> float:
     # answered without them (in 0.4-0.8 s rather than 2)
     import torch
 
+    from src.distributed import world_from_env
     from src.faults import pass_on_signal
     from src.run import train
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    if not world_from_env().main:  # a submitit job's later tasks: Hydra gave each the job's log file
+        quiet_logging()
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)
@@ -100,6 +103,19 @@ def quiet_rank(argv: list[str]) -> list[str]:
         sys.exit("error: torchrun runs one training run; launch a sweep's jobs with Hydra's launchers instead")
     kept = [a for a in argv if not a.startswith(("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging="))]
     return [*kept, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=other_ranks"]
+
+
+def quiet_logging() -> None:
+    """Logging as torchrun's other ranks have it (quiet_rank), for the tasks of a submitit job of several
+    (hydra.launcher.tasks_per_node): the ranks other than 0 log only their errors, to stderr, not into the job's
+    log file, which rank 0 writes."""
+    import logging.config
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    other_ranks = OmegaConf.load(Path(__file__).parent / "conf" / "hydra" / "job_logging" / "other_ranks.yaml")
+    logging.config.dictConfig(OmegaConf.to_container(other_ranks, resolve=True))
 
 
 if __name__ == "__main__":

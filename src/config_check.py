@@ -223,27 +223,47 @@ def _multirun(argv: list[str]) -> bool:
     return any(a in ("-m", "--multirun", "hydra.mode=MULTIRUN") for a in argv)
 
 
-ONE_PER_JOB = ("hydra.launcher.nodes", "hydra.launcher.tasks_per_node", "hydra.launcher.gpus_per_node",
-               "hydra.launcher.gpus_per_task")
-
-
 def check_launcher(argv: list[str]) -> None:
-    """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback. A job of several
-    processes or GPUs, which this project's jobs are not (each process would train the whole run, or GPUs would
-    sit idle), refused before it is submitted."""
+    """A sweep sent to SLURM from a machine without it: one line instead of submitit's traceback. A job's GPUs
+    that its tasks would not use, refused before it is submitted: each task of a job is one rank of its run
+    (``distributed.world_from_env``), on one GPU of its own (or on the CPU, with none)."""
     if _hydra_command(argv):
         return  # --cfg and the like print and launch nothing
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
     if launcher in ("slurm", "submitit_slurm", "local", "submitit_local"):
-        for a in argv:  # one process per job: several would each train the whole run (distributed.check_one_slurm_task)
-            key, _, value = a.partition("=")
-            if key in ONE_PER_JOB and value.strip().isdigit() and int(value) > 1:
-                raise ConfigError(f"{a}: a job of the sweep is one process on one GPU; to train one run on several "
-                                  "GPUs, run torchrun --nproc_per_node=N train.py ... inside a SLURM job of your own "
-                                  "(README: More than one GPU)")
+        _check_gpus_per_task(launcher, [a for a in argv if a.startswith("hydra.launcher.") and "," not in a])
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
         raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "
                           "machine: run the command on the cluster, or leave the launcher out to run the jobs here")
+
+
+def _check_gpus_per_task(launcher: str, overrides: list[str]) -> None:
+    """A job's tasks and GPUs, as the launcher preset and the command line's ``hydra.launcher.*`` set them: a GPU
+    per task, or none (trainer.device=cpu)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(_PRIMARY[0]), version_base="1.3"):
+            job = compose(config_name=_PRIMARY[1], overrides=[f"hydra/launcher={launcher}", *overrides],
+                          return_hydra_config=True).hydra.launcher
+    except HydraException:
+        return  # a key the launcher does not have: Hydra's own error says so when it launches
+    given = {a.split("=", 1)[0].removeprefix("hydra.launcher."): a for a in overrides}
+
+    def named(key: str) -> str:
+        return given.get(key, f"hydra.launcher.{key}={job.get(key)} (hydra/launcher={launcher}'s)")
+
+    tasks, per_task = job.get("tasks_per_node") or 1, job.get("gpus_per_task")
+    if per_task is not None and per_task > 1:
+        raise ConfigError(f"{named('gpus_per_task')}: each task of a job is one rank of its run, on one GPU; for "
+                          f"more GPUs raise hydra.launcher.tasks_per_node (README: More than one GPU)")
+    gpus = job.get("gpus_per_node")
+    if gpus and gpus != tasks:
+        fix = (f"raise hydra.launcher.tasks_per_node to {gpus}, one task per GPU" if gpus > tasks else
+               f"set hydra.launcher.gpus_per_node={tasks} (or 0 to train on the CPU)")
+        raise ConfigError(f"{named('gpus_per_node')} with {named('tasks_per_node')}: each task of a job is one "
+                          f"rank of its run, on a GPU of its own; {fix} (README: More than one GPU)")
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:

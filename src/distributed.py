@@ -6,6 +6,9 @@ torchrun starts N processes and sets RANK, LOCAL_RANK and WORLD_SIZE; each proce
 the epoch's length-bucketed order, one per rank, so an epoch still sees every example once; the step's loss is
 divided by the target tokens of all N batches, so N ranks make the update one process makes on the same N
 batches accumulated. Rank 0 alone logs, writes checkpoints and evaluates; the other ranks wait for it.
+
+A sweep's job can be such a run too: with ``hydra/launcher=slurm hydra.launcher.tasks_per_node=N`` (or
+``nodes``), submitit starts the job's N tasks, each one rank (``world_from_env``).
 """
 
 from __future__ import annotations
@@ -128,19 +131,48 @@ def average_gradients(params, world: World, bucket_bytes: int = 25 * 2**20) -> i
 
 
 def world_from_env() -> World:
-    """What torchrun set; a single process without it (a SLURM job of hydra/launcher=slurm is one)."""
+    """What torchrun set; in a job of several tasks that submitit started (hydra/launcher=slurm or local with
+    ``tasks_per_node`` or ``nodes`` above 1), the same variables, exported by submitit's
+    ``TorchDistributedEnvironment`` from the job's (each task one rank; its GPU is picked by LOCAL_RANK, as under
+    torchrun, so CUDA_VISIBLE_DEVICES is left as the job has it); else a single process."""
+    if "WORLD_SIZE" not in os.environ and submitit_tasks() > 1:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     size = int(os.environ.get("WORLD_SIZE", "1"))
     return World(rank=int(os.environ.get("RANK", "0")), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def submitit_tasks() -> int:
+    """The number of tasks of the submitit job this process is one of (1 outside a submitit job)."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return 1
+    from submitit import JobEnvironment
+
+    return JobEnvironment().num_tasks
+
+
+def shared_cores_tasks() -> int:
+    """The ranks that share this machine's cores without being told how many threads to run: the tasks of a job of
+    submitit's local executor (hydra/launcher=local hydra.launcher.tasks_per_node=N), each of which PyTorch gives a
+    thread per core (N times too many: 2 tasks trained 8 times slower on 2 cores). 0 where they do not share them:
+    torchrun sets OMP_NUM_THREADS=1 for its processes, and SLURM gives each task cpus_per_task cores of its own.
+    With OMP_NUM_THREADS set, its count stands."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or "OMP_NUM_THREADS" in os.environ:
+        return 0
+    tasks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return tasks if tasks > 1 else 0
+
+
 def check_one_slurm_task(world: World) -> None:
-    """A job of hydra/launcher=slurm is one process: SLURM's several tasks of one job would each train the whole
-    run, into one run directory. Several GPUs are torchrun's, started inside the job (README)."""
+    """SLURM's several tasks of one job, started without submitit or torchrun (``srun python train.py``), would
+    each train the whole run, into one run directory. A submitit job's tasks are the ranks of one run
+    (``world_from_env``), as torchrun's processes are."""
     tasks = int(os.environ.get("SLURM_NTASKS", "1") or 1)
     if tasks > 1 and not world.distributed:
-        raise ConfigError(f"SLURM started {tasks} tasks of this job, each of which would train the whole run: a job "
-                          "is one process (hydra.launcher.tasks_per_node=1, nodes=1); to train on several GPUs, "
-                          "run torchrun --nproc_per_node=N train.py ... inside one task")
+        raise ConfigError(f"SLURM started {tasks} tasks of this job, each of which would train the whole run: "
+                          "launch them with hydra/launcher=slurm hydra.launcher.tasks_per_node=N (each task one "
+                          "rank), or run torchrun --nproc_per_node=N train.py ... inside one task")
 
 
 @contextlib.contextmanager

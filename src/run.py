@@ -42,6 +42,7 @@ from .distributed import (
     load_full_state,
     process_group,
     shard_steps,
+    shared_cores_tasks,
     world_from_env,
 )
 from .environment import environment
@@ -365,6 +366,8 @@ class TrainingRun:
         check_scoring(self.data["tgt_lang"])  # before the data is read: a tokenizer BLEU needs and does not have
         if tr.get("threads"):
             torch.set_num_threads(tr["threads"])
+        elif shared := shared_cores_tasks():
+            torch.set_num_threads(max(1, torch.get_num_threads() // shared))
         reuse_host_memory = device.type == "cpu" and tr["reuse_host_memory"] and keep_freed_host_memory()
         if device.type == "cpu" and not reuse_host_memory and freed_host_memory_kept():
             log.warning("trainer.reuse_host_memory=false, but an earlier run in this process (a sweep's job) made "

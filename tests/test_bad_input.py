@@ -518,8 +518,8 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "a run directory that cannot be written",
                                                            "more torchrun processes than GPUs",
                                                            # test_slurm.py
-                                                           "a sweep's job of several processes or GPUs",
-                                                           "a SLURM job of several tasks",
+                                                           "a sweep's job whose GPUs are not one per task",
+                                                           "a SLURM job of several tasks started without submitit or torchrun",
                                                            # test_config.py, test_sweeps.py: conf files of one's own
                                                            "an unknown key in an option file of one's own",
                                                            "a preset of one's own without its package line",

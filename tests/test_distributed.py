@@ -313,6 +313,38 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
 
 
 @pytest.mark.slow
+def test_a_sweep_job_of_two_submitit_tasks_trains_as_torchrun_does(ddp_and_fsdp, tmp_path, shared_cache):
+    """hydra/launcher=local hydra.launcher.tasks_per_node=2: the job's two tasks are the ranks of one run (submitit's
+    TorchDistributedEnvironment), which logs the losses of the same run under torchrun (ddp_and_fsdp's DDP run),
+    also through a preemption: SIGUSR2 at step 5 stops both ranks after it with a checkpoint, submitit (its first
+    task) requeues the job, and both tasks resume. Rank 0 alone writes the job's log. Each task runs its share of
+    the machine's cores (with a thread per core each, as PyTorch gives them, 2 tasks on 2 cores trained 8 times
+    slower); OMP_NUM_THREADS, which the tests set, is left out so that the share is the run's own."""
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "train.py", "-m", "hydra/launcher=local", "hydra.launcher.tasks_per_node=2",
+                           "hydra.launcher.gpus_per_node=0", "hydra.launcher.timeout_min=5", *FSDP_RUN, "memory=none",
+                           "fault.kind=sigusr2", "fault.at_step=5", f"hydra.sweep.dir={sweep}",
+                           f"paths.cache_dir={shared_cache}"],
+                          cwd=ROOT, env={**env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2
+    assert summary["resumed_from"]["step"] == 5 and summary["steps"] == 8
+    assert summary["threads"] == max(1, cores // 2)
+    job, ddp = losses(sweep / "0"), losses(ddp_and_fsdp / "none")
+    assert [s for s, _ in job] == [s for s, _ in ddp] == list(range(1, 9))
+    assert [v for _, v in job] == pytest.approx([v for _, v in ddp], rel=1e-5)
+    # each rank says it at INFO, once an attempt: here rank 0 alone, in the first attempt and the requeued one
+    assert (sweep / "0" / "train.log").read_text().count(" parameters, vocab ") == 2
+    (task_1_log,) = sweep.glob(".submitit/*/*_1_log.err")
+    assert "[rank 1]" in task_1_log.read_text() and "step 4: valid loss" not in task_1_log.read_text()
+    assert "Requeued job" in "".join(p.read_text() for p in sweep.glob(".submitit/*/*_0_log.*"))
+
+
+@pytest.mark.slow
 def test_a_resumed_fsdp_run_equals_the_uninterrupted_one(ddp_and_fsdp, tmp_path, shared_cache):
     """Checkpoints of a sharded run hold the gathered weights, Adam's state and every rank's random generators
     (dropout is on): resumed from its step-4 checkpoint (ckpt_path, in a directory of its own), a run logs the

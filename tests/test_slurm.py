@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.config_check import check_launcher
-from src.distributed import World, check_one_slurm_task
+from src.distributed import World, check_one_slurm_task, shared_cores_tasks, world_from_env
 from src.errors import ConfigError
 from src.faults import pass_on_signal, resume_setting, stop_on_signals
 
@@ -80,21 +80,58 @@ def test_a_slurm_sweep_off_the_cluster_is_one_line(tmp_path, monkeypatch):
     check_launcher(sweep)
 
 
-def test_a_job_of_several_processes_or_gpus_is_refused_before_it_is_submitted(monkeypatch):
-    """Nothing here reads SLURM's tasks or GPUs: 4 tasks of a job each trained the whole run (into one run
-    directory), and 3 of 4 GPUs sat idle. Refused on the command line, and in the job (a launcher file edited)."""
+def test_a_jobs_tasks_each_have_a_gpu_of_their_own_or_none():
+    """Each task of a job is one rank of its run (world_from_env) on GPU LOCAL_RANK: a GPU per task, or none on
+    the CPU. Other counts are refused before the sweep is submitted, naming the setting, also the preset's."""
     for launcher in ("slurm", "local"):
-        for key in ("tasks_per_node", "nodes", "gpus_per_node", "gpus_per_task"):
-            with pytest.raises(ConfigError, match=rf"^hydra.launcher.{key}=4: a job of the sweep is one process on "
-                                                  r"one GPU; to train one run on several GPUs, run torchrun"):
-                check_launcher(["-m", f"hydra/launcher={launcher}", f"hydra.launcher.{key}=4", "memory=none,amp"])
-    check_launcher(["-m", "hydra/launcher=local", "hydra.launcher.gpus_per_node=1", "memory=none,amp"])
-    monkeypatch.setenv("SLURM_NTASKS", "4")
+        with pytest.raises(ConfigError, match=rf"^hydra.launcher.gpus_per_node=4 with hydra.launcher.tasks_per_node=1 "
+                                              rf"\(hydra/launcher={launcher}'s\): each task of a job is one rank of its "
+                                              r"run, on a GPU of its own; raise hydra.launcher.tasks_per_node to 4"):
+            check_launcher(["-m", f"hydra/launcher={launcher}", "hydra.launcher.gpus_per_node=4", "memory=none,amp"])
+        with pytest.raises(ConfigError, match=rf"^hydra.launcher.gpus_per_node=1 \(hydra/launcher={launcher}'s\) with "
+                                              r"hydra.launcher.tasks_per_node=4: .* set hydra.launcher.gpus_per_node=4 "
+                                              r"\(or 0 to train on the CPU\)"):
+            check_launcher([f"hydra/launcher={launcher}", "hydra.launcher.tasks_per_node=4"])
+        for fits in (["hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=4"],
+                     ["hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=0"],
+                     ["hydra.launcher.nodes=2"], []):
+            check_launcher([f"hydra/launcher={launcher}", *fits])
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.gpus_per_task=2: each task of a job is one rank"):
+        check_launcher(["hydra/launcher=slurm", "hydra.launcher.gpus_per_task=2"])  # (submitit's local has none)
+    check_launcher(["hydra/launcher=slurm", "hydra.launcher.gpus_per_task=1", "hydra.launcher.gpus_per_node=null"])
+
+
+def test_a_submitit_jobs_tasks_are_the_ranks_of_one_run(monkeypatch):
+    """In a SLURM job of 4 tasks on 2 nodes, the third task is rank 2 of 4, the first of its node, with the first
+    node as the master; its GPU is picked by LOCAL_RANK, so CUDA_VISIBLE_DEVICES stays as SLURM set it. SLURM's
+    tasks started without submitit or torchrun are still refused: each would train the whole run."""
+    slurm = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
+             "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+             "CUDA_VISIBLE_DEVICES": "0,1"}
+    torchrun_keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if k not in torchrun_keys}, **slurm})
+    world = world_from_env()
+    assert world == World(rank=2, size=4, local_rank=0) and world.distributed
+    assert os.environ["MASTER_ADDR"] == "gpu07" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    check_one_slurm_task(world)
+    assert shared_cores_tasks() == 0  # SLURM gives each task cores of its own
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items() if k not in torchrun_keys},
+                                        "SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_NTASKS": "2",
+                                        "SUBMITIT_LOCAL_JOB_ID": "5", "SUBMITIT_LOCAL_NODEID": "0",
+                                        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_GLOBALID": "1",
+                                        "SUBMITIT_LOCAL_LOCALID": "1"})
+    os.environ.pop("OMP_NUM_THREADS", None)
+    assert world_from_env() == World(rank=1, size=2, local_rank=1)
+    assert shared_cores_tasks() == 2  # the local executor's tasks share this machine's cores
+    os.environ["OMP_NUM_THREADS"] = "3"
+    assert shared_cores_tasks() == 0
+    monkeypatch.setattr(os, "environ", {**{k: v for k, v in os.environ.items()
+                                           if k not in (*torchrun_keys, "SUBMITIT_EXECUTOR")}, "SLURM_NTASKS": "4"})
     with pytest.raises(ConfigError, match=r"^SLURM started 4 tasks of this job, each of which would train the "
-                                          r"whole run: a job is one process"):
-        check_one_slurm_task(World())
-    check_one_slurm_task(World(rank=1, size=4, local_rank=1))  # torchrun's ranks inside one task: one run
-    monkeypatch.setenv("SLURM_NTASKS", "1")
+                                          r"whole run: launch them with hydra/launcher=slurm"):
+        check_one_slurm_task(world_from_env())
+    os.environ["SLURM_NTASKS"] = "1"
     check_one_slurm_task(World())
 
 
