@@ -48,9 +48,13 @@ class World:
         return self.size > 1
 
     def device(self, device: torch.device) -> torch.device:
-        """One GPU per rank: this rank's (LOCAL_RANK) when the run is on CUDA."""
+        """One GPU per rank: this rank's (LOCAL_RANK) when the run is on CUDA; in a submitit job whose task sees
+        one GPU alone (SLURM binds a GPU to each task with gpus_per_task=1), that one."""
         if device.type == "cuda" and self.distributed:
-            if self.local_rank >= (count := torch.cuda.device_count()):
+            count = torch.cuda.device_count()
+            if count == 1 and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+                return torch.device("cuda", 0)
+            if self.local_rank >= count:
                 raise ConfigError(f"torchrun started more processes on this machine than it has GPUs ({count} "
                                   f"visible; this is LOCAL_RANK {self.local_rank}): --nproc_per_node={count}")
             return torch.device("cuda", self.local_rank)

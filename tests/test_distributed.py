@@ -21,6 +21,7 @@ from src.building import rank_seed
 from src.data.batching import epoch_batches, micro_batches, pair_sizes
 from src.data.prepare import prepare_data
 from src.distributed import World, shard_steps
+from src.errors import ConfigError
 from src.memory import MemoryStrategy, memory_strategy
 
 from .conftest import FAST, compose_config
@@ -485,6 +486,12 @@ def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monk
     assert World().device(torch.device("cuda", 1)) == torch.device("cuda", 1)
     assert World(rank=3, size=4, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 1)
     assert World(rank=1, size=2, local_rank=1).device(torch.device("cpu")) == torch.device("cpu")
+    # a task of a SLURM job that sees one GPU alone (gpus_per_task=1: SLURM binds a GPU to each task) takes it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"torchrun started more processes on this machine than it has GPUs"):
+        World(rank=3, size=4, local_rank=1).device(torch.device("cuda"))
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert World(rank=3, size=4, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 0)
 
 
 def test_the_ranks_wait_for_rank_0s_evaluation_on_the_long_group(monkeypatch):
