@@ -36,8 +36,8 @@ def main(cfg: DictConfig) -> float:
     from src.run import train
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    if not world_from_env().main:  # a submitit job's later tasks: Hydra gave each the job's log file
-        quiet_logging()
+    if not world_from_env().main:  # a submitit job's later tasks, to which Hydra gave the job's log file (and
+        quiet_logging()  # torchrun's, quiet already: quiet_rank)
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)

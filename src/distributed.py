@@ -55,8 +55,10 @@ class World:
             if count == 1 and os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
                 return torch.device("cuda", 0)
             if self.local_rank >= count:
-                raise ConfigError(f"torchrun started more processes on this machine than it has GPUs ({count} "
-                                  f"visible; this is LOCAL_RANK {self.local_rank}): --nproc_per_node={count}")
+                who, fix = (("submitit", f"hydra.launcher.tasks_per_node={count}") if os.environ.get("SUBMITIT_EXECUTOR")
+                            else ("torchrun", f"--nproc_per_node={count}"))
+                raise ConfigError(f"{who} started more processes on this machine than it has GPUs ({count} "
+                                  f"visible; this is LOCAL_RANK {self.local_rank}): {fix}")
             return torch.device("cuda", self.local_rank)
         return device
 

@@ -492,6 +492,10 @@ def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monk
         World(rank=3, size=4, local_rank=1).device(torch.device("cuda"))
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     assert World(rank=3, size=4, local_rank=1).device(torch.device("cuda")) == torch.device("cuda", 0)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")  # its tasks all see the job's GPUs: one too few here
+    with pytest.raises(ConfigError, match=r"^submitit started more processes on this machine than it has GPUs \(1 "
+                                          r"visible; this is LOCAL_RANK 1\): hydra.launcher.tasks_per_node=1$"):
+        World(rank=1, size=2, local_rank=1).device(torch.device("cuda"))
 
 
 def test_the_ranks_wait_for_rank_0s_evaluation_on_the_long_group(monkeypatch):
