@@ -132,11 +132,20 @@ class MemoryStrategy:
         return torch.autocast(device.type, dtype=self.amp_dtype)
 
     def check_device(self, device: torch.device) -> None:
-        """bf16 on a GPU without it is refused (fp16 needs its GradScaler: the choice is the user's); fp16 on the
-        CPU runs, without native fp16 products, so it is slow there: a warning says to use bf16. bf16 on a CPU
-        that oneDNN cannot multiply it on (no AVX-512) falls back to a plain loop, far slower: a warning says so."""
-        if self.amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError(f"memory.amp=bf16: {torch.cuda.get_device_name(device)} has no bf16; use memory.amp=fp16")
+        """bf16 on a GPU that cannot hold it is refused (fp16 needs its GradScaler: the choice is the user's); on
+        a GPU before compute capability 8.0, which PyTorch emulates it on, it runs, saving the memory and not the
+        time: a warning says that fp16 is that card's half precision. fp16 on the CPU runs, without native fp16
+        products, so it is slow there: a warning says to use bf16. bf16 on a CPU that oneDNN cannot multiply it on
+        (no AVX-512) falls back to a plain loop, far slower: a warning says so."""
+        if self.amp == "bf16" and device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            if not torch.cuda.is_bf16_supported():
+                raise ConfigError(f"memory.amp=bf16: {name} has no bf16; use memory.amp=fp16")
+            if not native_bf16(device):
+                log.warning("memory.amp=bf16 on %s (compute capability %d.%d): PyTorch emulates bf16 on GPUs before "
+                            "compute capability 8.0, which saves the memory but not the time; memory.amp=fp16 is "
+                            "this card's half precision (with a GradScaler)", name,
+                            *torch.cuda.get_device_capability(device))
         if self.amp == "fp16" and device.type == "cpu":
             log.warning("memory.amp=fp16 on the CPU: it runs, but CPUs multiply fp16 slowly (2,169 against 20,279 "
                         "tokens/s in fp32 for model=tiny on 2 AMD EPYC cores); memory.amp=bf16 is the CPU's half precision")
@@ -144,6 +153,22 @@ class MemoryStrategy:
             log.warning("memory.amp=bf16 on a CPU without AVX-512: it runs, but PyTorch multiplies bf16 here without "
                         "oneDNN, far slower than fp32 (1,474 against 13,881 tokens/s for model=tiny, matrix products "
                         "0.5 against 83 GFLOP/s, on 2 AMD EPYC cores with AVX2); it still saves the memory it saves")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether a CUDA device multiplies bf16 in hardware: compute capability 8.0 (Ampere) or later, or a ROCm GPU.
+    ``torch.cuda.is_bf16_supported()`` answers True on older cards too (a V100, a T4, an RTX 2080 Ti), where
+    PyTorch emulates bf16 in fp32 arithmetic."""
+    if torch.version.hip:
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def half_precision(device: torch.device) -> str:
+    """The half precision memory=auto trains in on ``device`` when it needs amp: bf16 (no GradScaler), or fp16 on
+    a GPU without bf16 arithmetic, where emulated bf16 saves the memory and not the time (its tensor cores, from
+    compute capability 7.0, multiply fp16)."""
+    return "fp16" if device.type == "cuda" and not native_bf16(device) else "bf16"
 
 
 def memory_strategy(memory: dict, max_tokens: int | None = None) -> MemoryStrategy:

@@ -15,7 +15,7 @@ from .data.encode import EncodedCorpus, EncodedSplit
 from .data.prepare import prepare_data
 from .errors import ConfigError, DataError
 from .kernels import attention_names, deterministic_algorithms, planned_attention, shown
-from .memory import MemoryStrategy, memory_strategy
+from .memory import MemoryStrategy, half_precision, memory_strategy
 from .settings import check_settings
 
 # the four sizes that, all given, make plan.py plan without reading the data
@@ -33,10 +33,9 @@ def choose_for_budget(conf: dict, strategy: MemoryStrategy, encoded: EncodedCorp
     run's ``world_size`` ranks (under DDP with its gradient buckets, under memory=fsdp its share)."""
     budget = usable_budget(conf, strategy, device.type)
     args = encoded_model_args(conf["model"], encoded)
-    amp = "fp16" if device.type == "cuda" and not torch.cuda.is_bf16_supported() else "bf16"
     longest_src, longest_tgt = planner.longest_pair(train_split)
     chosen, est, tried = planner.choose_strategy(
-        args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, amp,
+        args, strategy, longest_src, longest_tgt, conf["data"]["batch_size"], budget, half_precision(device),
         conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"],
         device=device.type, world_size=world_size, attention=conf["trainer"].get("attention"),
     )

@@ -437,9 +437,35 @@ def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
     from src.memory import MemoryStrategy
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
-    with pytest.raises(ConfigError, match=r"^memory.amp=bf16: Tesla V100-SXM2-16GB has no bf16; use memory.amp=fp16$"):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla K80")
+    with pytest.raises(ConfigError, match=r"^memory.amp=bf16: Tesla K80 has no bf16; use memory.amp=fp16$"):
         MemoryStrategy(amp="bf16").check_device(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("card,capability,warns", [("Tesla V100-SXM2-16GB", (7, 0), True),
+                                                   ("Tesla T4", (7, 5), True),
+                                                   ("NVIDIA A100-SXM4-80GB", (8, 0), False),
+                                                   ("NVIDIA GeForce RTX 3060", (8, 6), False)])
+def test_bf16_on_a_gpu_before_ampere_warns_that_fp16_is_its_half_precision(caplog, monkeypatch, card, capability,
+                                                                            warns):
+    """PyTorch answers torch.cuda.is_bf16_supported() with True on a V100 or a T4, where it emulates bf16: memory=amp
+    (bf16) trained there in silence, slower than fp16 would (it was refused in a test that mocked False, which such
+    cards never answer)."""
+    import logging
+
+    from src.memory import MemoryStrategy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: card)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    with caplog.at_level(logging.WARNING):
+        MemoryStrategy(amp="bf16").check_device(torch.device("cuda"))
+        MemoryStrategy(amp="fp16").check_device(torch.device("cuda"))
+    expected = (f"memory.amp=bf16 on {card} (compute capability {capability[0]}.{capability[1]}): PyTorch emulates "
+                "bf16 on GPUs before compute capability 8.0, which saves the memory but not the time; memory.amp=fp16 "
+                "is this card's half precision (with a GradScaler)")
+    assert [r.getMessage() for r in caplog.records] == ([expected] if warns else [])
 
 
 def test_fp16_on_the_cpu_warns_to_use_bf16(caplog):
@@ -512,6 +538,7 @@ def test_the_docs_table_lists_every_case_tried():
     rows = [line for line in DOC.read_text().splitlines() if line.startswith("| ") and not line.startswith("| input")]
     documented = {row.split(" | ")[0].removeprefix("| ").strip() for row in rows}
     tried = {c[0] for c in COMMAND_LINE + RUN + FILES} | {"BOM or CRLF line ends", "bf16 on a GPU without bf16",
+                                                           "bf16 on a GPU before Ampere",
                                                            "fp16 on the CPU", "bf16 on a CPU without AVX-512",
                                                            "a GPU where there is none",
                                                            "a run directory that is a file",

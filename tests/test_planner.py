@@ -266,11 +266,26 @@ def test_a_budget_holds_estimates_up_to_its_margins():
     assert planner.usable_bytes(12, overhead=0.0, context_gb=0.0) == 12 * 2**30
 
 
+AUTO_SIZES = ["plan.src_len=30", "plan.tgt_len=30", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
+
+
+def read_for_auto():
+    """What memory=auto reads of a run's data, matching AUTO_SIZES: the vocabularies and the training split."""
+    import types
+
+    class Codec:
+        pad_id = 1
+
+        def __len__(self):
+            return 1000
+
+    return (types.SimpleNamespace(src_codec=Codec(), tgt_codec=Codec()),
+            types.SimpleNamespace(src=[[0] * 30], tgt=[[0] * 30]))
+
+
 def test_plan_py_gives_memory_auto_the_budget_a_run_on_that_device_gives_it(monkeypatch):
     """plan.py memory=auto plans with the budget a run on plan.device would use: less the CUDA context on a GPU,
     the whole budget on the CPU (it subtracted the context there too, and could predict another choice)."""
-    import types
-
     import src.run
     from src import planner
 
@@ -281,25 +296,41 @@ def test_plan_py_gives_memory_auto_the_budget_a_run_on_that_device_gives_it(monk
         raise StopIteration  # only the budget matters here
 
     monkeypatch.setattr(planner, "choose_strategy", spy)
-    lengths = ["plan.src_len=30", "plan.tgt_len=30", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
-
-    class Codec:
-        pad_id = 1
-
-        def __len__(self):
-            return 1000
-
-    encoded = types.SimpleNamespace(src_codec=Codec(), tgt_codec=Codec())
-    split = types.SimpleNamespace(src=[[0] * 30], tgt=[[0] * 30])
+    encoded, split = read_for_auto()
     for device in ("cpu", "cuda"):
         conf = OmegaConf.to_container(compose_config("memory=auto", "memory.budget_gb=2", f"plan.device={device}",
-                                                     *lengths, run_dir=Path(".")), resolve=True)
+                                                     *AUTO_SIZES, run_dir=Path(".")), resolve=True)
         budgets.clear()
         with pytest.raises(StopIteration):
             src.planning.plan_config(conf)  # plan.py
         with pytest.raises(StopIteration):  # a run's memory=auto
             src.planning.choose_for_budget(conf, memory_strategy(conf["memory"]), encoded, split, torch.device(device))
         assert budgets[0] == budgets[1] == planner.usable_bytes(2, 0.10, 0.5 if device == "cuda" else 0.0)
+
+
+@pytest.mark.parametrize("device,capability,amp", [("cuda", (7, 5), "fp16"), ("cuda", (8, 0), "bf16"),
+                                                   ("cpu", (7, 5), "bf16")])
+def test_memory_auto_trains_in_fp16_on_a_gpu_that_emulates_bf16(monkeypatch, device, capability, amp):
+    """A T4 or a V100 answers torch.cuda.is_bf16_supported() with True, PyTorch emulating bf16 there: memory=auto,
+    needing amp, chose bf16 on it, which saves the memory and not the time. Its half precision there is fp16."""
+    import src.planning
+    from src import planner
+
+    chosen = []
+
+    def spy(args, strategy, longest_src, longest_tgt, batch_size, budget, amp, *rest, **kw):
+        chosen.append(amp)
+        raise StopIteration  # only the precision matters here
+
+    monkeypatch.setattr(planner, "choose_strategy", spy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    conf = OmegaConf.to_container(compose_config("memory=auto", "memory.budget_gb=2", *AUTO_SIZES, run_dir=Path(".")),
+                                  resolve=True)
+    with pytest.raises(StopIteration):
+        src.planning.choose_for_budget(conf, memory_strategy(conf["memory"]), *read_for_auto(), torch.device(device))
+    assert chosen == [amp]
 
 
 def test_plan_command_bad_override_is_one_line():
