@@ -7,7 +7,7 @@
 
 Reads one sentence per line (plain or .gz; standard input without --input or with --input -); writes one
 translation per line (stdout without --output). It decodes as the run did (beam size, length penalty, length caps
-and autocast from the checkpoint's config, so that it reproduces the run's test.hyp.txt) unless told otherwise. With
+autocast and fp32 matrix-product precision from the checkpoint's config, so that it reproduces the run's test.hyp.txt) unless told otherwise. With
 --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
 """
 
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
                    "token; 0: any (default: the run's model.max_positions)")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], help="autocast while decoding (default: the run's "
                    "memory.amp)")
+    p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], help="fp32 matrix products: "
+                   "highest (fp32), high (TF32 on a GPU of compute capability 8.0 or later), medium (bf16 inside "
+                   "them) (default: the run's trainer.matmul_precision)")
     args = p.parse_args(argv)
     for flag, value, least in (("--beam-size", args.beam_size, 1), ("--batch-size", args.batch_size, 1),
                                ("--length-penalty", args.length_penalty, 0), ("--max-len-a", args.max_len_a, 0),
@@ -109,7 +112,7 @@ def translate_lines(checkpoint, sentences: list[str], device: str = "auto", toke
     """This command from Python (a notebook): the translations of ``sentences`` by ``checkpoint`` (a checkpoint
     file, several of one run, averaged, or a run directory: what it tested with), decoded as the run did unless
     ``flags`` say otherwise (``beam_size``, ``length_penalty``, ``max_len_a``, ``max_len_b``, ``batch_size``,
-    ``amp``: the command's flags)."""
+    ``matmul_precision``, ``amp``: the command's flags)."""
     from src.checkpoint import load_translator
     from src.settings import resolve_device
 
@@ -129,9 +132,10 @@ def decode(model, sentences: list[str], src_codec, tgt_codec, device, decoding: 
     import torch
 
     from src.evaluate import translate
+    from src.kernels import matmul_precision
     from src.memory import MemoryStrategy
 
-    with torch.inference_mode():
+    with torch.inference_mode(), matmul_precision(decoding["matmul_precision"]):
         return translate(model, sentences, src_codec, tgt_codec, device, source_name=source_name,
                          max_positions=max_positions, batch_size=decoding["batch_size"],
                          beam_size=decoding["beam_size"], alpha=decoding["length_penalty"],
@@ -139,7 +143,8 @@ def decode(model, sentences: list[str], src_codec, tgt_codec, device, decoding: 
                          autocast=lambda: MemoryStrategy(amp=decoding["amp"]).autocast(device))
 
 
-DECODING_DEFAULTS = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128}
+DECODING_DEFAULTS = {"beam_size": 1, "length_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "batch_size": 128,
+                     "matmul_precision": "highest"}
 
 
 def run_decoding(ckpt: dict, args: argparse.Namespace | None = None) -> dict:

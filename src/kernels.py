@@ -10,7 +10,8 @@ is CUDA's: the CPU, which has flash and math only, runs flash wherever the list 
 ``check_attention`` refuses, at the start and naming the key, a list that runs none of the model's attention calls
 on the run's device, precision and dropout; ``planned_attention`` tells the planner what the chosen kernels keep.
 trainer.deterministic (``deterministic_algorithms``), PyTorch's deterministic kernels, is set here too: it decides
-whether cuDNN's attention runs, and cuBLAS's workspace.
+whether cuDNN's attention runs, and cuBLAS's workspace. So is trainer.matmul_precision (``matmul_precision``), the
+arithmetic inside fp32 matrix products.
 """
 
 from __future__ import annotations
@@ -142,6 +143,31 @@ def check_attention(value, args: ModelArgs, device: torch.device, dtype: torch.d
                 f"trainer.attention={shown(names)}: none of these kernels runs the model's {kind} attention on "
                 f"{device.type} in {str(dtype).removeprefix('torch.')} with attention dropout {dropout} "
                 f"(PyTorch: {str(e).splitlines()[0].strip()}); add one that does, e.g. math, or set null") from None
+
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def check_matmul_precision(value) -> str:
+    if value not in MATMUL_PRECISIONS:
+        raise ConfigError(f"trainer.matmul_precision={value}: expected highest (fp32 products in fp32), high (TF32 on "
+                          "a GPU of compute capability 8.0 or later) or medium (bf16 inside fp32 products)")
+    return value
+
+
+@contextlib.contextmanager
+def matmul_precision(value: str):
+    """trainer.matmul_precision: the arithmetic of the run's fp32 matrix products (``torch.set_float32_matmul_precision``;
+    PyTorch's default, highest, keeps them fp32), restored afterwards, since a sweep's jobs share the process. high:
+    TF32 on CUDA from compute capability 8.0 (10 mantissa bits), no change on the CPU; medium: bf16 (7 bits), on a
+    GPU of compute capability 8.0 or later and on a CPU that oneDNN multiplies bf16 on (AVX-512 or AMX), elsewhere
+    as high. Products under autocast (memory=amp) are bf16 or fp16 whatever this says."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(check_matmul_precision(value))
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, continue_where, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
-from .kernels import attention_backends, attention_names, check_attention, deterministic_algorithms
+from .kernels import attention_backends, attention_names, check_attention, deterministic_algorithms, matmul_precision
 from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
 from .memory import (
     MemoryStrategy,
@@ -165,7 +165,7 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
                               "torchrun --nproc_per_node=N train.py ..., N >= 2")
         with (process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]),
-              attention_backends(conf["trainer"].get("attention"))):
+              attention_backends(conf["trainer"].get("attention")), matmul_precision(conf["trainer"]["matmul_precision"])):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             if world.main:
                 hold_run_dir(run_dir, held)
@@ -380,6 +380,7 @@ class TrainingRun:
         info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
         info["reuse_host_memory"] = reuse_host_memory
         info["deterministic"] = tr["deterministic"]
+        info["matmul_precision"] = torch.get_float32_matmul_precision()
         info["attention"] = attention_names(tr.get("attention"))  # the kernels allowed; None: PyTorch chose
         self.src_codec, self.tgt_codec = self.encoded.src_codec, self.encoded.tgt_codec
         if strategy.auto:

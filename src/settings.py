@@ -16,7 +16,7 @@ from .config_check import check_known_keys, check_presets_are_global
 from .data.corpus import check_data
 from .errors import ConfigError, check_int, check_number, string_hint
 from .faults import check_fault
-from .kernels import attention_names
+from .kernels import attention_names, check_matmul_precision
 from .model import INITS, ModelArgs, model_fields
 from .tokenizers import check_tokenizer
 
@@ -68,6 +68,7 @@ def check_trainer(tr: dict) -> None:
         raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
                           f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
     attention_names(tr.get("attention"))
+    check_matmul_precision(tr.get("matmul_precision"))
     if tr.get("on_nonfinite") not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
 

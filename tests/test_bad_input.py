@@ -150,6 +150,9 @@ RUN = [
     ("attention kernels that cannot run the model's attention here", ["trainer.attention=flash"],
      "trainer.attention=[flash]: none of these kernels runs the model's masked (the encoder's and cross-attention) "
      "attention on cpu in float32 with attention dropout 0.1"),
+    ("an fp32 product precision PyTorch does not have", ["trainer.matmul_precision=tf32"],
+     "trainer.matmul_precision=tf32: expected highest (fp32 products in fp32), high (TF32 on a GPU of compute "
+     "capability 8.0 or later) or medium (bf16 inside fp32 products)"),
     ("metrics logged every 0 steps", ["trainer.log_every=0"], "trainer.log_every=0: must be an integer >= 1"),
     ("decoding batches of 0 pairs", ["trainer.eval_batch_size=0"], "trainer.eval_batch_size=0: must be an integer >= 1"),
     ("a negative decoding length", ["trainer.max_len_a=-1"], "trainer.max_len_a=-1: must be a number >= 0"),

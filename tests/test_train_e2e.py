@@ -121,21 +121,27 @@ def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, 
 
 
 def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp_path, capsys):
-    """A run that decodes with beams, its own length caps and bf16 autocast: translate.py given only its checkpoint
-    writes the run's test translations, in batches of the run's size (under autocast another batch rounds
-    otherwise); flags override each setting."""
+    """A run that decodes with beams, its own length caps, bf16 autocast and its fp32 products' precision:
+    translate.py given only its checkpoint writes the run's test translations, in batches of the run's size (under
+    autocast another batch rounds otherwise); flags override each setting."""
+    import torch
+
     cfg = fast_cfg("trainer.beam_size=3", "trainer.length_penalty=1.0", "trainer.max_len_a=0.5",
-                   "trainer.max_len_b=3", "memory=amp", "trainer.eval_batch_size=7")
+                   "trainer.max_len_b=3", "memory=amp", "trainer.eval_batch_size=7", "trainer.matmul_precision=medium")
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["beam_size"] == 3
+    # set for the run (as it trained), and PyTorch's default again after it: a sweep's next job starts from it
+    assert summary["matmul_precision"] == "medium" and torch.get_float32_matmul_precision() == "highest"
     hyps = (Path(cfg.paths.output_dir) / "test.hyp.txt").read_text().splitlines()
     capsys.readouterr()
     assert translate_test_set(cfg, tmp_path) == hyps
-    assert "decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, batch_size 7, amp bf16\n" in capsys.readouterr().err
+    assert ("decoding: beam_size 3, length_penalty 1.0, max_len_a 0.5, max_len_b 3, batch_size 7, matmul_precision "
+            "medium, amp bf16\n") in capsys.readouterr().err
     greedy = translate_test_set(cfg, tmp_path, "--beam-size", "1", "--max-len-b", "10", "--amp", "none",
-                                "--batch-size", "20")
+                                "--batch-size", "20", "--matmul-precision", "highest")
     assert greedy != hyps
-    assert "decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, batch_size 20, amp none\n" in capsys.readouterr().err
+    assert ("decoding: beam_size 1, length_penalty 1.0, max_len_a 0.5, max_len_b 10, batch_size 20, matmul_precision "
+            "highest, amp none\n") in capsys.readouterr().err
     # from Python (a notebook), given the run directory: the same translations, as the run decoded or as told
     sources = (tmp_path / "test.de").read_text().splitlines()
     assert translate.translate_lines(cfg.paths.output_dir, sources, device="cpu") == hyps
@@ -156,8 +162,26 @@ def test_translate_py_decodes_with_the_precision_memory_auto_chose():
     assert translate.run_decoding(plain, translate_args())["amp"] == "fp16"
 
 
+def test_translate_py_multiplies_at_the_runs_fp32_precision(monkeypatch):
+    """translate.py decodes with the run's trainer.matmul_precision (its validation and test did), or the flag's,
+    and leaves PyTorch's default after it; a checkpoint from before the setting decodes in fp32."""
+    import torch
+
+    import src.evaluate
+
+    seen = []
+    monkeypatch.setattr(src.evaluate, "translate", lambda *a, **k: seen.append(torch.get_float32_matmul_precision()))
+    ckpt = {"config": {"trainer": {"matmul_precision": "medium"}}}
+    for decoding in (translate.run_decoding(ckpt, translate_args()),
+                     translate.run_decoding(ckpt, translate_args(matmul_precision="high")),
+                     translate.run_decoding({"config": {"trainer": {}}}, translate_args())):
+        translate.decode(None, [], None, None, torch.device("cpu"), decoding, None)
+    assert seen == ["medium", "high", "highest"] and torch.get_float32_matmul_precision() == "highest"
+
+
 def translate_args(**flags) -> argparse.Namespace:
-    unset = dict.fromkeys(("beam_size", "length_penalty", "max_len_a", "max_len_b", "batch_size", "amp"))
+    unset = dict.fromkeys(("beam_size", "length_penalty", "max_len_a", "max_len_b", "batch_size", "matmul_precision",
+                           "amp"))
     return argparse.Namespace(**{**unset, **flags})
 
 

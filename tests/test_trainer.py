@@ -1,5 +1,6 @@
 """The training step: loss, schedule, and the memory strategies compute what they claim."""
 
+import contextlib
 import copy
 import math
 
@@ -146,6 +147,24 @@ def test_bf16_step_runs_on_cpu_and_stays_close_to_fp32():
     assert dtypes == {"fp32": torch.float32, "bf16": torch.bfloat16}
     assert 0 < abs(b.loss_sum.item() - a.loss_sum.item()) / a.loss_sum.item() < 0.02
     assert not t16.scaler.is_enabled()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="a CPU without oneDNN's bf16 multiplies fp32 in fp32 at every precision")
+def test_matmul_precision_medium_rounds_the_steps_products_to_bf16_inside_its_block_only():
+    """trainer.matmul_precision=medium: tensors stay fp32 (unlike amp) but their products are computed from bf16
+    parts, so the loss moves off the exact one by bf16's rounding and no more; after the block, PyTorch's default
+    gives the exact step again (a sweep's next job)."""
+    from src.kernels import matmul_precision
+
+    split = make_split()
+    losses = []
+    for block in (contextlib.nullcontext(), matmul_precision("medium"), contextlib.nullcontext()):
+        _, trainer = model_and_trainer(MemoryStrategy())
+        with block:
+            losses.append(trainer.step(micro_batches(split, 1)).loss_sum.item())
+    assert losses[0] == losses[2]
+    assert 0 < abs(losses[1] - losses[0]) / losses[0] < 0.01
 
 
 class TwoRanks(World):

@@ -9,7 +9,8 @@
    ModelArgs.training_flops of its own batches) and MFU, against the measured bf16 rate and against the card's
    datasheet peak where it is known;
    the same with other attention kernels than PyTorch's choice (trainer.attention: --attention, by default
-   ATTENTION_CHOICES), and at fp32 (TF32 off, PyTorch's default) for comparison;
+   ATTENTION_CHOICES), and at fp32 for comparison: TF32 off (PyTorch's default), then on
+   (trainer.matmul_precision=high, against the card's fp32 rate measured with TF32 on);
 3. steps 11-13 of the bf16 run traced by torch.profiler (train.py debug=profile): profile_bf16_ops.txt, the
    operators by CUDA time; then the same with the first of --attention, in the same file;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
@@ -47,6 +48,7 @@ sys.path.insert(0, str(HERE))
 from run import BASE, TrainFailed, commit, run_train  # noqa: E402
 from src.fileio import write_json, write_text  # noqa: E402
 from src.flops import matmul_rate  # noqa: E402
+from src.kernels import matmul_precision  # noqa: E402
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by a name fragment.
 DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.6,
@@ -172,6 +174,10 @@ def main() -> None:
             ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
+        with matmul_precision("high"):
+            tf32_rate = matmul_rate(torch.float32, n, 20, device)
+        results["matmul_tf32_tflops"] = round(tf32_rate / 1e12, 1)
+        train_run("fp32_tf32", ["trainer.matmul_precision=high"], tf32_rate)
     if "profile" not in args.skip:  # where a bf16 step's time goes: operators by CUDA time
         # one file for both profiles: the device tool returns at most 8 files, and all parts write 8 with it
         sections = []
@@ -221,10 +227,11 @@ def _mib(value: float | None) -> str:
 def write(results: dict, out: Path) -> None:
     write_json(out / "results_gpu.json", results)
     peak = results["datasheet_bf16_tflops"]
+    tf32 = f" (TF32: {results['matmul_tf32_tflops']})" if "matmul_tf32_tflops" in results else ""
     lines = [f"{results['date']}, commit {results['commit']}, {results['device']}, torch {results['torch']} "
              f"(CUDA {results['cuda']}); measured "
              f"matrix products: bf16 {results['matmul_bf16_tflops']} TFLOP/s, fp32 {results['matmul_fp32_tflops']} "
-             f"TFLOP/s; datasheet dense bf16 peak: {peak or 'unknown'} TFLOP/s.", "",
+             f"TFLOP/s{tf32}; datasheet dense bf16 peak: {peak or 'unknown'} TFLOP/s.", "",
              "| run | tokens/s (src+tgt, after 20 steps) | s/step | peak allocated (MiB) | peak reserved (MiB) | "
              "loss at last step | GFLOP/step | achieved TFLOP/s | of measured matmul rate | of datasheet bf16 peak |",
              "|---|---|---|---|---|---|---|---|---|---|"]
