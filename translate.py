@@ -6,9 +6,10 @@
     echo "Ein Hund läuft." | python translate.py outputs/runs/<date>/<time>     # a run: what it tested with
 
 Reads one sentence per line (plain or .gz; standard input without --input or with --input -); writes one
-translation per line (stdout without --output). It decodes as the run did (beam size, length penalty, length caps
-autocast and fp32 matrix-product precision from the checkpoint's config, so that it reproduces the run's test.hyp.txt) unless told otherwise. With
---reference, prints sacreBLEU corpus BLEU and chrF of the detokenized output, with their signatures.
+translation per line (stdout without --output). It decodes as the run did (beam size, length penalty, length caps,
+autocast and fp32 matrix-product precision from the checkpoint's config, so that it reproduces the run's
+test.hyp.txt) unless told otherwise. With --reference, prints sacreBLEU corpus BLEU and chrF of the detokenized
+output, with their signatures.
 """
 
 from __future__ import annotations

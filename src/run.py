@@ -164,8 +164,9 @@ def train(cfg: DictConfig) -> dict:
         if strategy.fsdp and not world.distributed:
             raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
                               "torchrun --nproc_per_node=N train.py ..., N >= 2")
-        with (process_group(world, device), deterministic_algorithms(conf["trainer"]["deterministic"]),
-              attention_backends(conf["trainer"].get("attention")), matmul_precision(conf["trainer"]["matmul_precision"])):
+        tr = conf["trainer"]
+        with (process_group(world, device), deterministic_algorithms(tr["deterministic"]),
+              attention_backends(tr.get("attention")), matmul_precision(tr.get("matmul_precision", "highest"))):
             run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
             if world.main:
                 hold_run_dir(run_dir, held)

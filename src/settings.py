@@ -68,7 +68,7 @@ def check_trainer(tr: dict) -> None:
         raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
                           f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
     attention_names(tr.get("attention"))
-    check_matmul_precision(tr.get("matmul_precision"))
+    check_matmul_precision(tr.get("matmul_precision", "highest"))  # absent from configs saved before 2026-12-05
     if tr.get("on_nonfinite") not in ("skip", "stop"):
         raise ConfigError(f"trainer.on_nonfinite={tr.get('on_nonfinite')}: expected skip or stop")
 
