@@ -452,8 +452,8 @@ def test_bf16_on_a_gpu_without_it_says_to_use_fp16(monkeypatch):
 def test_bf16_on_a_gpu_before_ampere_warns_that_fp16_is_its_half_precision(caplog, monkeypatch, card, capability,
                                                                             warns):
     """PyTorch answers torch.cuda.is_bf16_supported() with True on a V100 or a T4, where it emulates bf16: memory=amp
-    (bf16) trained there in silence, slower than fp16 would (it was refused in a test that mocked False, which such
-    cards never answer)."""
+    (bf16) trained there in silence, saving the memory and not the time (it was refused in a test that mocked False,
+    which such cards never answer)."""
     import logging
 
     from src.memory import MemoryStrategy

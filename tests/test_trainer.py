@@ -149,8 +149,19 @@ def test_bf16_step_runs_on_cpu_and_stays_close_to_fp32():
     assert not t16.scaler.is_enabled()
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="a CPU without oneDNN's bf16 multiplies fp32 in fp32 at every precision")
+def products_from_bf16_parts() -> bool:
+    """Whether this CPU computes fp32 products from bf16 parts at PyTorch's "medium" precision (oneDNN where the
+    CPU multiplies bf16); elsewhere they stay fp32. Asked of PyTorch itself, not of the code under test."""
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    torch.set_float32_matmul_precision("medium")
+    try:
+        medium = a @ a
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    return not torch.equal(medium, a @ a)
+
+
+@pytest.mark.skipif(not products_from_bf16_parts(), reason="this CPU multiplies fp32 in fp32 at every precision")
 def test_matmul_precision_medium_rounds_the_steps_products_to_bf16_inside_its_block_only():
     """trainer.matmul_precision=medium: tensors stay fp32 (unlike amp) but their products are computed from bf16
     parts, so the loss moves off the exact one by bf16's rounding and no more; after the block, PyTorch's default
