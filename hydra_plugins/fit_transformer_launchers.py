@@ -7,6 +7,10 @@ later jobs could still be running. Here each job is waited for, and one without 
 to Hydra as a NaN, as ``train.py`` returns for a failed job; the sweep's status and report read every job's own
 files (``src/callbacks.py``), where such a job shows with no ``summary.json`` of its own.
 
+On a machine with GPUs, ``hydra/launcher=local`` gives each job GPUs of its own (``gpus_per_node`` of them) and
+runs the jobs in waves of as many as the GPUs allow: submitit's local executor showed every job GPU 0 and started
+them all at once, side by side on one card.
+
 Used by ``hydra/launcher=slurm`` and ``hydra/launcher=local`` (conf/hydra/launcher/). Hydra takes launchers from
 the ``hydra_plugins`` package only: hence this folder, beside ``src/``.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator, Sequence
 
 from hydra.core.utils import JobReturn, JobStatus
@@ -65,8 +70,50 @@ class SlurmLauncher(_WaitsForEveryJob, submitit_launcher.SlurmLauncher):
     pass
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES``'s list where it is set (indices or UUIDs; empty:
+    none), else every GPU the driver counts."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [gpu.strip() for gpu in given.split(",") if gpu.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_slots(gpus: Sequence[str], per_job: int) -> list[str]:
+    """``gpus`` cut into the ``CUDA_VISIBLE_DEVICES`` of jobs of ``per_job`` GPUs each (the GPUs left over from
+    the last whole slot are not used); none where a job takes no GPU or more than there are."""
+    if per_job < 1:
+        return []
+    return [",".join(gpus[i:i + per_job]) for i in range(0, len(gpus) - per_job + 1, per_job)]
+
+
 class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
+    slots: Sequence[str] = ()  # each job's GPUs, by job number modulo their count (launch)
+
     def _waiting(self) -> contextlib.AbstractContextManager:
         # A local job is a process of this host, done when it has exited: by then its result file is written, or
         # it never will be (killed), so waiting 15 s for the file to show is waiting for nothing.
         return every_job_waited_for(results_timeout_s=1)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """With GPUs for at least one job: waves of as many jobs as there are slots of ``gpus_per_node`` GPUs,
+        each wave's jobs on GPUs of their own (a job's tokens/s and peak memory are then its own). Without (a CPU
+        machine, or gpus_per_node=0): every job at once, as submitit starts them."""
+        self.slots = gpu_slots(visible_gpus(), self.params.get("gpus_per_node") or 0)
+        if not self.slots:
+            return super().launch(job_overrides, initial_job_idx)
+        log.info("%d job(s) in waves of %d, each on GPU(s) of its own: %s", len(job_overrides), len(self.slots),
+                 " | ".join(self.slots))
+        wave, results = len(self.slots), []
+        for start in range(0, len(job_overrides), wave):
+            results += super().launch(job_overrides[start:start + wave], initial_job_idx + start)
+        return results
+
+    def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
+        """In the job's process (each task's), before anything there starts CUDA: its wave's GPUs, not submitit's
+        0 .. gpus_per_node - 1 for every job. A wave's job numbers are consecutive, so their slots differ."""
+        if self.slots:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.slots[job_num % len(self.slots)]
+        return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

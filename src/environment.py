@@ -4,6 +4,7 @@ placed without the shell history that launched it."""
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import subprocess
@@ -74,4 +75,5 @@ def environment(device: torch.device) -> dict:
         "device_name": torch.cuda.get_device_name(device) if cuda else cpu_name(),
         "cpu": cpu_name(),
         "host": socket.gethostname(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep job's GPUs (hydra/launcher=local)
     }

@@ -184,6 +184,20 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
     assert resume_setting({"resume": None}, tmp_path) is None  # outside submitit: only when asked
 
 
+def test_a_local_sweep_cuts_the_visible_gpus_into_one_slot_per_job(monkeypatch):
+    """hydra/launcher=local's waves: each job gets gpus_per_node of the GPUs CUDA_VISIBLE_DEVICES shows (indices or
+    UUIDs); GPUs too few for another job stay unused; no GPU, or none per job, leaves submitit's all-at-once."""
+    from hydra_plugins.fit_transformer_launchers import gpu_slots, visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3,GPU-5f1c,7")
+    gpus = visible_gpus()
+    assert gpus == ["2", "3", "GPU-5f1c", "7"] and gpu_slots(gpus, 1) == gpus
+    assert gpu_slots(gpus, 2) == ["2,3", "GPU-5f1c,7"] and gpu_slots(gpus, 3) == ["2,3,GPU-5f1c"]
+    assert gpu_slots(gpus, 5) == [] and gpu_slots(gpus, 0) == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+
+
 @pytest.mark.slow
 def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
@@ -191,12 +205,21 @@ def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, 
     other jobs fail, one with an error and one killed outright (no result reaches submitit, which raised
     UncompletedJobError out of the launcher: the sweep stopped there, without its list or report): with
     fail_on_error=true the sweep lists both and exits with status 1, although submitit ran the jobs in processes
-    of their own (their failures are read from their summaries)."""
+    of their own (their failures are read from their summaries).
+    Shown two GPUs (CUDA_VISIBLE_DEVICES=0,1; the jobs train on the CPU here), the launcher runs the jobs in waves
+    of two, each job of a wave on a GPU of its own: submitit's local executor showed every job GPU 0, all at once."""
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5", *FAST,
                    "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error,kill", "fault.at_step=3",
-                   "fail_on_error=true", f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}")
+                   "trainer.device=cpu", "fail_on_error=true", f"hydra.sweep.dir={sweep}",
+                   f"paths.cache_dir={shared_cache}", env_extra={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "3 job(s) in waves of 2, each on GPU(s) of its own: 0 | 1" in proc.stdout + proc.stderr
+    first_wave = [json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")]
+    assert [s["environment"]["cuda_visible_devices"] for s in first_wave] == ["0", "1"]
+    # job 2 began once both jobs of the first wave had ended (job 0 after its requeue)
+    assert (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime >= max(
+        (sweep / job / "summary.json").stat().st_mtime for job in ("0", "1"))
     listed = proc.stderr.split("2 sweep job(s) did not complete:\n")[1].splitlines()
     assert listed[0].startswith(f"  job 1 ({sweep / '1'}): failed: RuntimeError: injected")
     assert listed[1].startswith(f"  job 2 ({sweep / '2'}): no summary.json")
