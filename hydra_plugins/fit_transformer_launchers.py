@@ -7,9 +7,9 @@ later jobs could still be running. Here each job is waited for, and one without 
 to Hydra as a NaN, as ``train.py`` returns for a failed job; the sweep's status and report read every job's own
 files (``src/callbacks.py``), where such a job shows with no ``summary.json`` of its own.
 
-On a machine with GPUs, ``hydra/launcher=local`` gives each job GPUs of its own (``gpus_per_node`` of them) and
-runs the jobs in waves of as many as the GPUs allow: submitit's local executor showed every job GPU 0 and started
-them all at once, side by side on one card.
+On a machine with GPUs, ``hydra/launcher=local`` gives each job GPUs of its own (``gpus_per_node`` of them), as many
+jobs at a time as the GPUs allow, the next job starting on the GPUs of the first to end: submitit's local executor
+showed every job GPU 0 and started them all at once, side by side on one card.
 
 Used by ``hydra/launcher=slurm`` and ``hydra/launcher=local`` (conf/hydra/launcher/). Hydra takes launchers from
 the ``hydra_plugins`` package only: hence this folder, beside ``src/``.
@@ -18,15 +18,20 @@ the ``hydra_plugins`` package only: hence this folder, beside ``src/``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+import queue
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -89,8 +94,27 @@ def gpu_slots(gpus: Sequence[str], per_job: int) -> list[str]:
     return [",".join(gpus[i:i + per_job]) for i in range(0, len(gpus) - per_job + 1, per_job)]
 
 
+def run_in_slots(slots: Sequence[str], jobs: int, run: Callable[[str, int], T]) -> list[T]:
+    """``[run(slot, i) for i in range(jobs)]``, as many at a time as there are ``slots``, each call given a slot no
+    running call holds: job i starts, in order, as soon as any slot is free, not once a whole batch has ended. If
+    the caller is stopped (Ctrl-C), the jobs not yet started never start; those running are waited for."""
+    free: queue.SimpleQueue[str] = queue.SimpleQueue()
+    for slot in slots:
+        free.put(slot)
+
+    def one(i: int) -> T:
+        slot = free.get()  # never waits: no more calls run at once than there are slots
+        try:
+            return run(slot, i)
+        finally:
+            free.put(slot)
+
+    with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="gpu-slot") as pool:
+        return list(pool.map(one, range(jobs)))  # map's iterator, stopped, cancels the jobs not yet started
+
+
 class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
-    slots: Sequence[str] = ()  # each job's GPUs, by job number modulo their count (launch)
+    slot: str | None = None  # the GPUs of the job this launcher is a copy for (launch)
 
     def _waiting(self) -> contextlib.AbstractContextManager:
         # A local job is a process of this host, done when it has exited: by then its result file is written, or
@@ -98,22 +122,28 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
         return every_job_waited_for(results_timeout_s=1)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        """With GPUs for at least one job: waves of as many jobs as there are slots of ``gpus_per_node`` GPUs,
-        each wave's jobs on GPUs of their own (a job's tokens/s and peak memory are then its own). Without (a CPU
-        machine, or gpus_per_node=0): every job at once, as submitit starts them."""
-        self.slots = gpu_slots(visible_gpus(), self.params.get("gpus_per_node") or 0)
-        if not self.slots:
+        """With GPUs for at least one job: as many jobs at a time as there are slots of ``gpus_per_node`` GPUs, each
+        on a slot of its own (a job's tokens/s and peak memory are then its own), the next job starting on the slot
+        of the first to end. Without (a CPU machine, or gpus_per_node=0): every job at once, as submitit starts
+        them."""
+        slots = gpu_slots(visible_gpus(), self.params.get("gpus_per_node") or 0)
+        if not slots:
             return super().launch(job_overrides, initial_job_idx)
-        log.info("%d job(s) in waves of %d, each on GPU(s) of its own: %s", len(job_overrides), len(self.slots),
-                 " | ".join(self.slots))
-        wave, results = len(self.slots), []
-        for start in range(0, len(job_overrides), wave):
-            results += super().launch(job_overrides[start:start + wave], initial_job_idx + start)
-        return results
+        log.info("%d job(s), %d at a time, each on GPU(s) of its own: %s", len(job_overrides), len(slots),
+                 " | ".join(slots))
+
+        def run(slot: str, i: int) -> JobReturn:
+            job = copy.copy(self)  # submitit pickles the launcher into the job: this copy carries the job's GPUs
+            job.slot = slot
+            log.info("#%d on GPU(s) %s", initial_job_idx + i, slot)
+            return submitit_launcher.LocalLauncher.launch(job, [job_overrides[i]], initial_job_idx + i)[0]
+
+        with self._waiting():  # once for all the jobs: it patches submitit.Job
+            return run_in_slots(slots, len(job_overrides), run)
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
-        """In the job's process (each task's), before anything there starts CUDA: its wave's GPUs, not submitit's
-        0 .. gpus_per_node - 1 for every job. A wave's job numbers are consecutive, so their slots differ."""
-        if self.slots:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.slots[job_num % len(self.slots)]
+        """In the job's process (each task's), before anything there starts CUDA: the job's own GPUs, not
+        submitit's 0 .. gpus_per_node - 1 for every job."""
+        if self.slot is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.slot
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

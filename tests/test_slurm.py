@@ -3,7 +3,10 @@ signalled job checkpoints, then hands the signal to submitit (which requeues it)
 
 import json
 import os
+import re
 import signal
+import threading
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -185,7 +188,7 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
 
 
 def test_a_local_sweep_cuts_the_visible_gpus_into_one_slot_per_job(monkeypatch):
-    """hydra/launcher=local's waves: each job gets gpus_per_node of the GPUs CUDA_VISIBLE_DEVICES shows (indices or
+    """hydra/launcher=local's slots: each job gets gpus_per_node of the GPUs CUDA_VISIBLE_DEVICES shows (indices or
     UUIDs); GPUs too few for another job stay unused; no GPU, or none per job, leaves submitit's all-at-once."""
     from hydra_plugins.fit_transformer_launchers import gpu_slots, visible_gpus
 
@@ -198,6 +201,63 @@ def test_a_local_sweep_cuts_the_visible_gpus_into_one_slot_per_job(monkeypatch):
     assert visible_gpus() == []
 
 
+def test_a_local_sweep_starts_the_next_job_on_the_first_gpus_freed():
+    """Not in waves: while job 0 runs, jobs 1, 2 and 3 run one after another on the other slot (job 0 ends only
+    once job 3 has run: waiting for the whole first batch to end would wait for ever), and no slot ever holds two
+    jobs at once."""
+    from hydra_plugins.fit_transformer_launchers import run_in_slots
+
+    last_ran, lock, running, slot_of = threading.Event(), threading.Lock(), set(), {}
+
+    def run(slot: str, i: int) -> int:
+        with lock:
+            assert slot not in running, f"job {i} on slot {slot}, which job {slot_of} holds"
+            running.add(slot)
+            slot_of[i] = slot
+        try:
+            if i == 0:
+                assert last_ran.wait(timeout=10), "job 0's slot was waited for before the next job started"
+            elif i == 3:
+                last_ran.set()
+            return 10 * i
+        finally:
+            with lock:
+                running.discard(slot)
+
+    assert run_in_slots(["0", "1"], 4, run) == [0, 10, 20, 30]  # the results in the jobs' order
+    assert slot_of[1] == slot_of[2] == slot_of[3] != slot_of[0] and {slot_of[0], slot_of[1]} == {"0", "1"}
+
+
+def test_a_local_sweep_stopped_starts_no_more_jobs():
+    """Ctrl-C in the sweep (here a signal raising in the main thread while both slots are busy): the running jobs
+    are waited for, and the two not yet started never start."""
+    from hydra_plugins.fit_transformer_launchers import run_in_slots
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    started, both_running = [], threading.Barrier(2)
+
+    def run(slot: str, i: int) -> None:
+        started.append(i)
+        if i < 2:
+            both_running.wait(timeout=10)
+            if i == 0:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            time.sleep(1)
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        with pytest.raises(Stopped):
+            run_in_slots(["0", "1"], 4, run)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert sorted(started) == [0, 1]
+
+
 @pytest.mark.slow
 def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
@@ -206,20 +266,25 @@ def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, 
     UncompletedJobError out of the launcher: the sweep stopped there, without its list or report): with
     fail_on_error=true the sweep lists both and exits with status 1, although submitit ran the jobs in processes
     of their own (their failures are read from their summaries).
-    Shown two GPUs (CUDA_VISIBLE_DEVICES=0,1; the jobs train on the CPU here), the launcher runs the jobs in waves
-    of two, each job of a wave on a GPU of its own: submitit's local executor showed every job GPU 0, all at once."""
+    Shown two GPUs (CUDA_VISIBLE_DEVICES=0,1; the jobs train on the CPU here), the launcher runs two jobs at a time,
+    each on a GPU of its own, the third on the GPU of the first to end: submitit's local executor showed every job
+    GPU 0, all at once."""
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5", *FAST,
                    "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error,kill", "fault.at_step=3",
                    "trainer.device=cpu", "fail_on_error=true", f"hydra.sweep.dir={sweep}",
                    f"paths.cache_dir={shared_cache}", env_extra={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "3 job(s) in waves of 2, each on GPU(s) of its own: 0 | 1" in proc.stdout + proc.stderr
-    first_wave = [json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")]
-    assert [s["environment"]["cuda_visible_devices"] for s in first_wave] == ["0", "1"]
-    # job 2 began once both jobs of the first wave had ended (job 0 after its requeue)
-    assert (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime >= max(
-        (sweep / job / "summary.json").stat().st_mtime for job in ("0", "1"))
+    assert "3 job(s), 2 at a time, each on GPU(s) of its own: 0 | 1" in proc.stdout + proc.stderr
+    gpus = {int(job): gpu for job, gpu in re.findall(r"#(\d) on GPU\(s\) (\S+)", proc.stdout + proc.stderr)}
+    first = {job: json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")}
+    assert [first[job]["environment"]["cuda_visible_devices"] for job in ("0", "1")] == [gpus[0], gpus[1]]
+    assert {gpus[0], gpus[1]} == {"0", "1"}
+    # job 2 began on the GPU of the first of jobs 0 and 1 to end (job 1: job 0 is requeued), once it had ended
+    ended_first = min(("0", "1"), key=lambda job: (sweep / job / "summary.json").stat().st_mtime)
+    assert gpus[2] == first[ended_first]["environment"]["cuda_visible_devices"]
+    assert (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime >= (
+        sweep / ended_first / "summary.json").stat().st_mtime
     listed = proc.stderr.split("2 sweep job(s) did not complete:\n")[1].splitlines()
     assert listed[0].startswith(f"  job 1 ({sweep / '1'}): failed: RuntimeError: injected")
     assert listed[1].startswith(f"  job 2 ({sweep / '2'}): no summary.json")
