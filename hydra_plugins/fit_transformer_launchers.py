@@ -7,9 +7,10 @@ later jobs could still be running. Here each job is waited for, and one without 
 to Hydra as a NaN, as ``train.py`` returns for a failed job; the sweep's status and report read every job's own
 files (``src/callbacks.py``), where such a job shows with no ``summary.json`` of its own.
 
-On a machine with GPUs, ``hydra/launcher=local`` gives each job GPUs of its own (``gpus_per_node`` of them), as many
-jobs at a time as the GPUs allow, the next job starting on the GPUs of the first to end: submitit's local executor
-showed every job GPU 0 and started them all at once, side by side on one card.
+``hydra/launcher=local`` gives each job GPUs of its own (``gpus_per_node`` of them, on a machine with GPUs) and
+cores of its own (``cpus_per_task`` a task; all of them, one job at a time, on a machine without GPUs where that is
+not given), as many jobs at a time as these allow, the next job starting where the first to end ran: submitit's
+local executor showed every job GPU 0 and started them all at once, side by side on one card or on the same cores.
 
 Used by ``hydra/launcher=slurm`` and ``hydra/launcher=local`` (conf/hydra/launcher/). Hydra takes launchers from
 the ``hydra_plugins`` package only: hence this folder, beside ``src/``.
@@ -25,13 +26,13 @@ import os
 import queue
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+S, T = TypeVar("S"), TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -86,19 +87,61 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def gpu_slots(gpus: Sequence[str], per_job: int) -> list[str]:
-    """``gpus`` cut into the ``CUDA_VISIBLE_DEVICES`` of jobs of ``per_job`` GPUs each (the GPUs left over from
-    the last whole slot are not used); none where a job takes no GPU or more than there are."""
+def cut(items: Sequence, per_job: int) -> list[tuple]:
+    """``items`` cut into slots of ``per_job`` each (those left over from the last whole slot are not used); none
+    where a job takes none or more than there are."""
     if per_job < 1:
         return []
-    return [",".join(gpus[i:i + per_job]) for i in range(0, len(gpus) - per_job + 1, per_job)]
+    return [tuple(items[i:i + per_job]) for i in range(0, len(items) - per_job + 1, per_job)]
 
 
-def run_in_slots(slots: Sequence[str], jobs: int, run: Callable[[str, int], T]) -> list[T]:
+class Slot(NamedTuple):  # (not a dataclass: Hydra's plugin scan runs this module outside sys.modules)
+    """What one job of a local sweep runs on: its GPUs (``CUDA_VISIBLE_DEVICES``; None: not divided) and its
+    cores (``cpus_per_task`` for each of its tasks in turn; none: not divided)."""
+
+    gpus: str | None = None
+    cpus: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        from src.environment import core_list
+
+        return ", ".join([*([f"GPU(s) {self.gpus}"] if self.gpus is not None else []),
+                          *([f"cores {core_list(self.cpus)}"] if self.cpus else [])])
+
+
+def job_slots(gpus: Sequence[str], gpus_per_job: int, cpus: Sequence[int], cpus_per_job: int) -> list[Slot]:
+    """A slot for each job that may run at once: ``gpus_per_job`` of the GPUs (where the machine shows any) and
+    ``cpus_per_job`` of the cores (where given), as many slots as both allow. Where neither is divided (no GPUs and
+    no cores a job), one slot of all the cores: one job at a time, as the default launcher runs them (all at once,
+    each with a thread per core, two jobs took 3.3x as long on 2 cores: README, More than one GPU)."""
+    by_gpus = [",".join(g) for g in cut(gpus, gpus_per_job)] if gpus and gpus_per_job else None
+    by_cpus = cut(cpus, cpus_per_job) if cpus_per_job else None
+    if by_gpus is None and by_cpus is None:
+        by_cpus = [tuple(cpus)]
+    n = min(len(slots) for slots in (by_gpus, by_cpus) if slots is not None)
+    return [Slot(by_gpus[i] if by_gpus is not None else None, by_cpus[i] if by_cpus is not None else ())
+            for i in range(n)]
+
+
+def run_on_cores(cores: Sequence[int]) -> None:
+    """This process (and the processes it starts) on ``cores`` alone, with a thread per core (fewer where
+    ``OMP_NUM_THREADS`` asks for fewer): PyTorch's, and ``OMP_NUM_THREADS`` for the processes started later, a count
+    the run then keeps (``src.distributed.shared_cores_tasks``)."""
+    import torch
+
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    threads = min(len(cores), int(asked)) if asked.isdigit() and int(asked) > 0 else len(cores)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if hasattr(os, "sched_setaffinity"):  # (macOS has none: there the threads alone)
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+def run_in_slots(slots: Sequence[S], jobs: int, run: Callable[[S, int], T]) -> list[T]:
     """``[run(slot, i) for i in range(jobs)]``, as many at a time as there are ``slots``, each call given a slot no
     running call holds: job i starts, in order, as soon as any slot is free, not once a whole batch has ended. If
     the caller is stopped (Ctrl-C), the jobs not yet started never start; those running are waited for."""
-    free: queue.SimpleQueue[str] = queue.SimpleQueue()
+    free: queue.SimpleQueue[S] = queue.SimpleQueue()
     for slot in slots:
         free.put(slot)
 
@@ -114,7 +157,7 @@ def run_in_slots(slots: Sequence[str], jobs: int, run: Callable[[str, int], T]) 
 
 
 class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
-    slot: str | None = None  # the GPUs of the job this launcher is a copy for (launch)
+    slot: Slot = Slot()  # the GPUs and cores of the job this launcher is a copy for (launch)
 
     def _waiting(self) -> contextlib.AbstractContextManager:
         # A local job is a process of this host, done when it has exited: by then its result file is written, or
@@ -122,20 +165,24 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
         return every_job_waited_for(results_timeout_s=1)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        """With GPUs for at least one job: as many jobs at a time as there are slots of ``gpus_per_node`` GPUs, each
-        on a slot of its own (a job's tokens/s and peak memory are then its own), the next job starting on the slot
-        of the first to end. Without (a CPU machine, or gpus_per_node=0): every job at once, as submitit starts
-        them."""
-        slots = gpu_slots(visible_gpus(), self.params.get("gpus_per_node") or 0)
+        """As many jobs at a time as there are slots (``job_slots``: of ``gpus_per_node`` GPUs, of ``cpus_per_task``
+        cores a task, or of all the cores), each job on a slot of its own, so that its tokens/s and peak memory are
+        its own; the next job starts on the slot of the first to end. Without a slot for even one job (more GPUs
+        a job than the machine shows): every job at once, as submitit starts them."""
+        from src.environment import usable_cores
+
+        params = self.params
+        slots = job_slots(visible_gpus(), params.get("gpus_per_node") or 0, usable_cores(),
+                          (params.get("cpus_per_task") or 0) * (params.get("tasks_per_node") or 1))
         if not slots:
             return super().launch(job_overrides, initial_job_idx)
-        log.info("%d job(s), %d at a time, each on GPU(s) of its own: %s", len(job_overrides), len(slots),
-                 " | ".join(slots))
+        log.info("%d job(s), %d at a time, each on its own: %s", len(job_overrides), len(slots),
+                 " | ".join(map(str, slots)))
 
-        def run(slot: str, i: int) -> JobReturn:
-            job = copy.copy(self)  # submitit pickles the launcher into the job: this copy carries the job's GPUs
+        def run(slot: Slot, i: int) -> JobReturn:
+            job = copy.copy(self)  # submitit pickles the launcher into the job: this copy carries the job's slot
             job.slot = slot
-            log.info("#%d on GPU(s) %s", initial_job_idx + i, slot)
+            log.info("#%d on %s", initial_job_idx + i, slot)
             return submitit_launcher.LocalLauncher.launch(job, [job_overrides[i]], initial_job_idx + i)[0]
 
         with self._waiting():  # once for all the jobs: it patches submitit.Job
@@ -143,7 +190,12 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
         """In the job's process (each task's), before anything there starts CUDA: the job's own GPUs, not
-        submitit's 0 .. gpus_per_node - 1 for every job."""
-        if self.slot is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = self.slot
+        submitit's 0 .. gpus_per_node - 1 for every job, and the task's own cores."""
+        if self.slot.gpus is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.slot.gpus
+        if self.slot.cpus:
+            tasks, task = (int(os.environ.get(f"SUBMITIT_LOCAL_{key}", default)) for key, default in
+                           (("NTASKS", "1"), ("LOCALID", "0")))
+            per_task = max(1, len(self.slot.cpus) // tasks)
+            run_on_cores(self.slot.cpus[task * per_task:(task + 1) * per_task] or self.slot.cpus)
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

@@ -238,10 +238,12 @@ def check_launcher(argv: list[str]) -> None:
 
 
 def _check_gpus_per_task(launcher: str, overrides: list[str]) -> None:
-    """A job's tasks and GPUs, as the launcher preset and the command line's ``hydra.launcher.*`` set them: a GPU
-    per task, or none (trainer.device=cpu)."""
+    """A job's tasks, GPUs and cores, as the launcher preset and the command line's ``hydra.launcher.*`` set them:
+    a GPU per task, or none (trainer.device=cpu); no more cores than this machine lets the sweep use."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+
+    from .environment import usable_cores
 
     try:
         with initialize_config_dir(config_dir=str(_PRIMARY[0]), version_base="1.3"):
@@ -264,6 +266,11 @@ def _check_gpus_per_task(launcher: str, overrides: list[str]) -> None:
                f"set hydra.launcher.gpus_per_node={tasks} (or 0 to train on the CPU)")
         raise ConfigError(f"{named('gpus_per_node')} with {named('tasks_per_node')}: each task of a job is one "
                           f"rank of its run, on a GPU of its own; {fix} (README: More than one GPU)")
+    cpus = (job.get("cpus_per_task") or 0) * tasks  # hydra/launcher=local gives each job cores of its own
+    if launcher == "local" and cpus > (cores := len(usable_cores())):
+        raise ConfigError(f"{named('cpus_per_task')} with {named('tasks_per_node')}: a job would take {cpus} cores "
+                          f"and this machine lets the sweep use {cores}; lower it, or leave it null to start every "
+                          "job at once")
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:

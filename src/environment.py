@@ -63,6 +63,25 @@ def package_versions() -> dict[str, str | None]:
     return {name: version(name) for name in PACKAGES}
 
 
+def usable_cores() -> list[int]:
+    """The cores this process may run on: its affinity (what taskset, a container's cpuset, SLURM or
+    hydra/launcher=local allows it), or every core where the system keeps no affinity (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_list(cores: list[int] | tuple[int, ...]) -> str:
+    """Cores as ``taskset -c`` lists them: ``0-3,8``."""
+    runs: list[list[int]] = []
+    for core in sorted(cores):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def environment(device: torch.device) -> dict:
     """The run's code, software and hardware, as summary.json records them."""
     cuda = device.type == "cuda"
@@ -76,4 +95,5 @@ def environment(device: torch.device) -> dict:
         "cpu": cpu_name(),
         "host": socket.gethostname(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # a sweep job's GPUs (hydra/launcher=local)
+        "cpu_affinity": core_list(usable_cores()),  # and its cores
     }

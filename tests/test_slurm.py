@@ -5,6 +5,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,10 +16,11 @@ from omegaconf import OmegaConf
 
 from src.config_check import check_launcher
 from src.distributed import World, check_one_slurm_task, shared_cores_tasks, world_from_env
+from src.environment import usable_cores
 from src.errors import ConfigError
 from src.faults import pass_on_signal, resume_setting, stop_on_signals
 
-from .conftest import CONF, FAST
+from .conftest import CONF, FAST, ROOT
 from .helpers import run_cli
 
 
@@ -104,6 +107,18 @@ def test_a_jobs_tasks_each_have_a_gpu_of_their_own_or_none():
     check_launcher(["hydra/launcher=slurm", "hydra.launcher.gpus_per_task=1", "hydra.launcher.gpus_per_node=null"])
 
 
+def test_a_local_sweeps_job_takes_no_more_cores_than_the_machine_lets_it_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.cpus_per_task=2 with hydra.launcher.tasks_per_node=4: a "
+                                          r"job would take 8 cores and this machine lets the sweep use 4; lower it, or "
+                                          r"leave it null to start every job at once$"):
+        check_launcher(["-m", "hydra/launcher=local", "hydra.launcher.cpus_per_task=2",
+                        "hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=0", "memory=none,amp"])
+    check_launcher(["hydra/launcher=local", "hydra.launcher.cpus_per_task=2", "hydra.launcher.tasks_per_node=2",
+                    "hydra.launcher.gpus_per_node=2"])
+    check_launcher(["hydra/launcher=slurm", "hydra.launcher.cpus_per_task=16"])  # the cluster's cores, not these
+
+
 def test_a_submitit_jobs_tasks_are_the_ranks_of_one_run(monkeypatch):
     """In a SLURM job of 4 tasks on 2 nodes, the third task is rank 2 of 4, the first of its node, with the first
     node as the master; its GPU is picked by LOCAL_RANK, so CUDA_VISIBLE_DEVICES stays as SLURM set it. SLURM's
@@ -187,18 +202,41 @@ def test_a_submitit_job_resumes_only_where_it_left_checkpoints(monkeypatch, tmp_
     assert resume_setting({"resume": None}, tmp_path) is None  # outside submitit: only when asked
 
 
-def test_a_local_sweep_cuts_the_visible_gpus_into_one_slot_per_job(monkeypatch):
+def test_a_local_sweep_cuts_the_visible_gpus_and_cores_into_one_slot_per_job(monkeypatch):
     """hydra/launcher=local's slots: each job gets gpus_per_node of the GPUs CUDA_VISIBLE_DEVICES shows (indices or
-    UUIDs); GPUs too few for another job stay unused; no GPU, or none per job, leaves submitit's all-at-once."""
-    from hydra_plugins.fit_transformer_launchers import gpu_slots, visible_gpus
+    UUIDs) and cpus_per_task x tasks_per_node of the cores, as many slots as both allow; GPUs or cores too few for
+    another job stay unused. Without GPUs and cores a job: one slot of every core, one job at a time."""
+    from hydra_plugins.fit_transformer_launchers import Slot, job_slots, visible_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3,GPU-5f1c,7")
-    gpus = visible_gpus()
-    assert gpus == ["2", "3", "GPU-5f1c", "7"] and gpu_slots(gpus, 1) == gpus
-    assert gpu_slots(gpus, 2) == ["2,3", "GPU-5f1c,7"] and gpu_slots(gpus, 3) == ["2,3,GPU-5f1c"]
-    assert gpu_slots(gpus, 5) == [] and gpu_slots(gpus, 0) == []
+    gpus, cores = visible_gpus(), list(range(8))
+    assert gpus == ["2", "3", "GPU-5f1c", "7"]
+    assert job_slots(gpus, 1, cores, 0) == [Slot(gpu) for gpu in gpus]
+    assert job_slots(gpus, 2, cores, 0) == [Slot("2,3"), Slot("GPU-5f1c,7")]
+    assert job_slots(gpus, 3, cores, 0) == [Slot("2,3,GPU-5f1c")]
+    assert job_slots(gpus, 1, cores, 3) == [Slot("2", (0, 1, 2)), Slot("3", (3, 4, 5))]  # the cores allow two
+    assert job_slots(gpus, 1, cores, 2) == [Slot(g, (2 * i, 2 * i + 1)) for i, g in enumerate(gpus)]
+    assert job_slots(gpus, 5, cores, 0) == []  # more GPUs a job than there are: submitit's every job at once
+    assert job_slots([], 1, cores, 4) == [Slot(None, (0, 1, 2, 3)), Slot(None, (4, 5, 6, 7))]
+    assert job_slots([], 1, cores, 0) == job_slots(gpus, 0, cores, 0) == [Slot(None, tuple(cores))]
+    assert str(Slot("2,3", (0, 1, 2, 3, 6))) == "GPU(s) 2,3, cores 0-3,6" and str(Slot(None, (5,))) == "cores 5"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []
+
+
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_a_local_sweeps_task_runs_on_its_cores_with_a_thread_each_or_as_many_as_asked(asked):
+    """In a job's process: its cores alone (the processes it starts too), a thread per core for PyTorch and for
+    those processes, or fewer where OMP_NUM_THREADS asks for fewer."""
+    cores = usable_cores()
+    mine = cores if asked else cores[-1:]
+    code = ("import json, os, torch; from hydra_plugins.fit_transformer_launchers import run_on_cores; "
+            f"run_on_cores({mine}); print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), "
+            "os.environ['OMP_NUM_THREADS']]))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": asked} if asked else {})
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    threads = 1 if asked else len(mine)
+    assert json.loads(out.stdout) == [mine, threads, str(threads)]
 
 
 def test_a_local_sweep_starts_the_next_job_on_the_first_gpus_freed():
@@ -266,23 +304,34 @@ def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, 
     UncompletedJobError out of the launcher: the sweep stopped there, without its list or report): with
     fail_on_error=true the sweep lists both and exits with status 1, although submitit ran the jobs in processes
     of their own (their failures are read from their summaries).
-    Shown two GPUs (CUDA_VISIBLE_DEVICES=0,1; the jobs train on the CPU here), the launcher runs two jobs at a time,
-    each on a GPU of its own, the third on the GPU of the first to end: submitit's local executor showed every job
-    GPU 0, all at once."""
+    Shown two GPUs (CUDA_VISIBLE_DEVICES=0,1; the jobs train on the CPU here) and given a core a job, the launcher
+    runs two jobs at a time, each on a GPU and a core of its own (one thread), the third on those of the first to
+    end: submitit's local executor showed every job GPU 0, all at once, each with a thread per core."""
+    cores = usable_cores()
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
     sweep = tmp_path / "sweep"
-    proc = run_cli("train.py", "-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5", *FAST,
-                   "trainer.eval_every=6", "logger=none", "fault.kind=sigusr2,error,kill", "fault.at_step=3",
-                   "trainer.device=cpu", "fail_on_error=true", f"hydra.sweep.dir={sweep}",
-                   f"paths.cache_dir={shared_cache}", env_extra={"CUDA_VISIBLE_DEVICES": "0,1"})
+    proc = run_cli("train.py", "-m", "hydra/launcher=local", "hydra.launcher.timeout_min=5",
+                   "hydra.launcher.cpus_per_task=1", *FAST, "trainer.eval_every=6", "logger=none",
+                   "fault.kind=sigusr2,error,kill", "fault.at_step=3", "trainer.device=cpu", "fail_on_error=true",
+                   f"hydra.sweep.dir={sweep}", f"paths.cache_dir={shared_cache}",
+                   env_extra={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "3 job(s), 2 at a time, each on GPU(s) of its own: 0 | 1" in proc.stdout + proc.stderr
-    gpus = {int(job): gpu for job, gpu in re.findall(r"#(\d) on GPU\(s\) (\S+)", proc.stdout + proc.stderr)}
+    assert (f"3 job(s), 2 at a time, each on its own: GPU(s) 0, cores {cores[0]} | GPU(s) 1, cores {cores[1]}"
+            in proc.stdout + proc.stderr)
+    slot = {int(job): (gpu, core) for job, gpu, core in
+            re.findall(r"#(\d) on GPU\(s\) (\S+), cores (\S+)", proc.stdout + proc.stderr)}
     first = {job: json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")}
-    assert [first[job]["environment"]["cuda_visible_devices"] for job in ("0", "1")] == [gpus[0], gpus[1]]
-    assert {gpus[0], gpus[1]} == {"0", "1"}
-    # job 2 began on the GPU of the first of jobs 0 and 1 to end (job 1: job 0 is requeued), once it had ended
+
+    def ran_on(summary: dict) -> tuple[str, str]:
+        assert summary["threads"] == 1
+        return summary["environment"]["cuda_visible_devices"], summary["environment"]["cpu_affinity"]
+
+    assert [ran_on(first[job]) for job in ("0", "1")] == [slot[0], slot[1]]
+    assert {slot[0], slot[1]} == {("0", str(cores[0])), ("1", str(cores[1]))}
+    # job 2 began on the slot of the first of jobs 0 and 1 to end (job 1: job 0 is requeued), once it had ended
     ended_first = min(("0", "1"), key=lambda job: (sweep / job / "summary.json").stat().st_mtime)
-    assert gpus[2] == first[ended_first]["environment"]["cuda_visible_devices"]
+    assert slot[2] == ran_on(first[ended_first])
     assert (sweep / "2" / ".hydra" / "config.yaml").stat().st_mtime >= (
         sweep / ended_first / "summary.json").stat().st_mtime
     listed = proc.stderr.split("2 sweep job(s) did not complete:\n")[1].splitlines()
