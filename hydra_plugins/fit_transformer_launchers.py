@@ -152,7 +152,7 @@ def run_in_slots(slots: Sequence[S], jobs: int, run: Callable[[S, int], T]) -> l
         finally:
             free.put(slot)
 
-    with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="gpu-slot") as pool:
+    with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="job-slot") as pool:
         return list(pool.map(one, range(jobs)))  # map's iterator, stopped, cancels the jobs not yet started
 
 
@@ -194,8 +194,8 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
         if self.slot.gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.slot.gpus
         if self.slot.cpus:
-            tasks, task = (int(os.environ.get(f"SUBMITIT_LOCAL_{key}", default)) for key, default in
-                           (("NTASKS", "1"), ("LOCALID", "0")))
+            tasks = int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1"))
+            task = int(os.environ.get("SUBMITIT_LOCAL_LOCALID", "0"))
             per_task = max(1, len(self.slot.cpus) // tasks)
             run_on_cores(self.slot.cpus[task * per_task:(task + 1) * per_task] or self.slot.cpus)
         return super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

@@ -231,13 +231,13 @@ def check_launcher(argv: list[str]) -> None:
         return  # --cfg and the like print and launch nothing
     launcher = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra/launcher=")), None)
     if launcher in ("slurm", "submitit_slurm", "local", "submitit_local"):
-        _check_gpus_per_task(launcher, [a for a in argv if a.startswith("hydra.launcher.") and "," not in a])
+        _check_job_resources(launcher, [a for a in argv if a.startswith("hydra.launcher.") and "," not in a])
     if _multirun(argv) and launcher in ("slurm", "submitit_slurm") and shutil.which("srun") is None:
         raise ConfigError(f"hydra/launcher={launcher} submits the sweep's jobs to SLURM, whose srun is not on this "
                           "machine: run the command on the cluster, or leave the launcher out to run the jobs here")
 
 
-def _check_gpus_per_task(launcher: str, overrides: list[str]) -> None:
+def _check_job_resources(launcher: str, overrides: list[str]) -> None:
     """A job's tasks, GPUs and cores, as the launcher preset and the command line's ``hydra.launcher.*`` set them:
     a GPU per task, or none (trainer.device=cpu); no more cores than this machine lets the sweep use."""
     from hydra import compose, initialize_config_dir
@@ -269,8 +269,8 @@ def _check_gpus_per_task(launcher: str, overrides: list[str]) -> None:
     cpus = (job.get("cpus_per_task") or 0) * tasks  # hydra/launcher=local gives each job cores of its own
     if launcher == "local" and cpus > (cores := len(usable_cores())):
         raise ConfigError(f"{named('cpus_per_task')} with {named('tasks_per_node')}: a job would take {cpus} cores "
-                          f"and this machine lets the sweep use {cores}; lower it, or leave it null to start every "
-                          "job at once")
+                          f"and this machine lets the sweep use {cores}; lower it (null: the jobs share the cores, "
+                          "one at a time on a machine without GPUs)")
 
 
 def sweep_jobs(overrides: list[str], multirun: bool) -> list[list[str]]:

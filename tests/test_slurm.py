@@ -110,8 +110,9 @@ def test_a_jobs_tasks_each_have_a_gpu_of_their_own_or_none():
 def test_a_local_sweeps_job_takes_no_more_cores_than_the_machine_lets_it_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     with pytest.raises(ConfigError, match=r"^hydra.launcher.cpus_per_task=2 with hydra.launcher.tasks_per_node=4: a "
-                                          r"job would take 8 cores and this machine lets the sweep use 4; lower it, or "
-                                          r"leave it null to start every job at once$"):
+                                          r"job would take 8 cores and this machine lets the sweep use 4; lower it "
+                                          r"\(null: the jobs share the cores, one at a time on a machine without "
+                                          r"GPUs\)$"):
         check_launcher(["-m", "hydra/launcher=local", "hydra.launcher.cpus_per_task=2",
                         "hydra.launcher.tasks_per_node=4", "hydra.launcher.gpus_per_node=0", "memory=none,amp"])
     check_launcher(["hydra/launcher=local", "hydra.launcher.cpus_per_task=2", "hydra.launcher.tasks_per_node=2",
