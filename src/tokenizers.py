@@ -385,12 +385,32 @@ class SpacyCodec(Codec):
 # --------------------------------------------------------------------------------------- Hugging Face / XLM-R
 
 
+def hub_unreachable(name: str) -> str | None:
+    """Why the Hugging Face hub cannot be reached, asked once about ``name`` without retries, or None (it answered,
+    whatever it said; or HF_HUB_OFFLINE is set, under which nothing is asked). ``from_pretrained`` retries a
+    connection that fails for about 50 s before it says so (on a machine without network, or a wrong HF_ENDPOINT)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return None
+    from huggingface_hub import file_exists
+
+    try:
+        file_exists(name, "config.json")
+    except Exception as e:
+        # no address for the host, or no one listening: httpx's ConnectError (or its fork's, huggingface_hub 2's
+        # httpx2), requests' ConnectionError. Other errors are answers (a name the hub does not have, a gated
+        # model) or slow ones, which from_pretrained may yet get past: it says what they were
+        if any(c.__name__ in ("ConnectError", "ConnectionError") for c in type(e).__mro__):
+            return str(e) or type(e).__name__
+    return None
+
+
 class HFCodec(Codec):
     """A Hugging Face tokenizer (XLM-R's sentencepiece model), loaded by hub name or local directory.
 
     A hub name already in Hugging Face's cache is loaded from there without a request: online, the hub would only
     be asked whether the files changed, and on a machine without network (a cluster's compute node) each request is
-    retried for about 25 s before the cache is used, minutes a run. A name not in the cache is downloaded."""
+    retried for about 25 s before the cache is used, minutes a run. A name not in the cache is downloaded, once the
+    hub is found to answer (``hub_unreachable``)."""
 
     def __init__(self, name_or_path: str):
         from transformers import AutoTokenizer  # imported here: only tokenizer=xlmr needs transformers
@@ -402,14 +422,16 @@ class HFCodec(Codec):
                 with contextlib.suppress(OSError, ValueError):  # not in the cache, or not all of it: ask the hub
                     self.tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
             if self.tok is None:
+                if local is None and (why := hub_unreachable(name_or_path)):
+                    raise OSError(f"cannot reach the Hugging Face hub: {why}")
                 self.tok = AutoTokenizer.from_pretrained(str(local) if local else name_or_path)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if local:
                 what = "give a directory written by save_pretrained"
             else:
-                offline = "" if os.environ.get("HF_HUB_OFFLINE") else " (and HF_HUB_OFFLINE=1: the hub is not retried)"
-                what = f"without network, point it at a local directory written by save_pretrained{offline}"
+                what = ("without network, point it at a local directory written by save_pretrained, or load it once "
+                        "where the hub answers (then it is read from Hugging Face's cache)")
             raise ConfigError(f"tokenizer.name_or_path={name_or_path}: cannot load a tokenizer ({first}); {what}") from None
         self.name_or_path = name_or_path
         t = self.tok

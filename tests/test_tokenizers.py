@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -326,11 +327,27 @@ def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):
             HFCodec(str(name))
         assert str(e.value).startswith(f"tokenizer.name_or_path={name}: {says}") and "\n" not in str(e.value)
     assert str(e.value).endswith("give a directory written by save_pretrained")  # not the hub's advice
+    hint = ("; without network, point it at a local directory written by save_pretrained, or load it once where the "
+            "hub answers (then it is read from Hugging Face's cache)")
     hub = run_cli("-c", "from src.tokenizers import HFCodec; HFCodec('nobody/no-such-tokenizer')",
                   env_extra={"HF_HUB_OFFLINE": "1"})
     assert hub.stderr.strip().splitlines()[-1].endswith(
         "cannot load a tokenizer (We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
-        "them in the cached files.); without network, point it at a local directory written by save_pretrained")
+        f"them in the cached files.){hint}")
+
+
+def test_an_unreachable_hub_is_said_at_once_not_after_a_minute_of_retries(tmp_path):
+    """Online mode with no hub to answer (no network, a wrong HF_ENDPOINT): from_pretrained retried the connection
+    for 49 s, printing 24 warnings, before it said so; one request without retries says it in a moment."""
+    started = time.perf_counter()
+    hub = run_cli("-c", "from src.tokenizers import HFCodec; HFCodec('xlm-roberta-base')",
+                  env_extra={"HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert time.perf_counter() - started < 20
+    last = hub.stderr.strip().splitlines()[-1]
+    assert last.startswith("src.errors.ConfigError: tokenizer.name_or_path=xlm-roberta-base: cannot load a tokenizer "
+                           "(cannot reach the Hugging Face hub: ") and last.endswith("written by save_pretrained, or "
+                           "load it once where the hub answers (then it is read from Hugging Face's cache)")
+    assert "requesting" not in hub.stderr  # the hub's warning for each failed request, and each retry
 
 
 def test_unknown_spacy_pipeline_says_how_to_fix():
