@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .errors import ConfigError, check_number
 from .fileio import atomic_path
+from .network import unreachable
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +137,13 @@ class WandbLogger:
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         timeout = settings.get("init_timeout", 90)
         check_number("logger.wandb.init_timeout", timeout, 0, strict=True)
+        offline_hint = "log with logger.wandb.mode=offline and upload later with `wandb sync <run dir>/wandb/offline-run-*`"
+        if mode == "online":  # asked once first: wandb.init waits init_timeout for a server that cannot be reached
+            # its address: WANDB_BASE_URL, else W&B's settings (`wandb login --host`; read once a process)
+            url = os.environ.get("WANDB_BASE_URL") or wandb.setup().settings.base_url
+            if why := unreachable(url):
+                _server_unanswered = f"{source}={mode}: W&B's server at {url} cannot be reached ({why}); {offline_hint}"
+                raise ConfigError(_server_unanswered)
         try:
             self.run = wandb.init(
                 settings=wandb.Settings(init_timeout=timeout),
@@ -160,8 +168,7 @@ class WandbLogger:
             raise ConfigError(f"{source}={mode}: {message}{hint}") from None
         except wandb.errors.CommError as e:  # the server did not answer within init_timeout: no network, say
             _server_unanswered = (f"{source}={mode}: W&B's server did not answer within logger.wandb.init_timeout="
-                                  f"{timeout} s ({str(e).splitlines()[0]}); log with logger.wandb.mode=offline "
-                                  "and upload later with `wandb sync <run dir>/wandb/offline-run-*`")
+                                  f"{timeout} s ({str(e).splitlines()[0]}); {offline_hint}")
             raise ConfigError(_server_unanswered) from None
         if mode != "disabled":
             with atomic_path(id_file) as tmp:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .errors import ConfigError, check_int
 from .fileio import atomic_dir, atomic_path, write_json
+from .network import unreachable
 
 log = logging.getLogger(__name__)
 
@@ -385,23 +386,16 @@ class SpacyCodec(Codec):
 # --------------------------------------------------------------------------------------- Hugging Face / XLM-R
 
 
-def hub_unreachable(name: str) -> str | None:
-    """Why the Hugging Face hub cannot be reached, asked once about ``name`` without retries, or None (it answered,
-    whatever it said; or HF_HUB_OFFLINE is set, under which nothing is asked). ``from_pretrained`` retries a
-    connection that fails for about 50 s before it says so (on a machine without network, or a wrong HF_ENDPOINT)."""
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be reached, asked once (``network.unreachable``), or None
+    (it answers; or HF_HUB_OFFLINE is set, under which nothing is asked). ``from_pretrained`` retries a connection
+    that fails for about 50 s before it says so."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return None
-    from huggingface_hub import file_exists
+    from huggingface_hub import constants
 
-    try:
-        file_exists(name, "config.json")
-    except Exception as e:
-        # no address for the host, or no one listening: httpx's ConnectError (or its fork's, huggingface_hub 2's
-        # httpx2), requests' ConnectionError. Other errors are answers (a name the hub does not have, a gated
-        # model) or slow ones, which from_pretrained may yet get past: it says what they were
-        if any(c.__name__ in ("ConnectError", "ConnectionError") for c in type(e).__mro__):
-            return str(e) or type(e).__name__
-    return None
+    why = unreachable(constants.ENDPOINT)
+    return why and f"at {constants.ENDPOINT}: {why}"
 
 
 class HFCodec(Codec):
@@ -422,8 +416,8 @@ class HFCodec(Codec):
                 with contextlib.suppress(OSError, ValueError):  # not in the cache, or not all of it: ask the hub
                     self.tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
             if self.tok is None:
-                if local is None and (why := hub_unreachable(name_or_path)):
-                    raise OSError(f"cannot reach the Hugging Face hub: {why}")
+                if local is None and (why := hub_unreachable()):
+                    raise OSError(f"cannot reach the Hugging Face hub {why}")
                 self.tok = AutoTokenizer.from_pretrained(str(local) if local else name_or_path)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -552,6 +552,8 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "a local sweep's job given more cores than the machine lets it use",
                                                            # test_tokenizers.py
                                                            "an XLM-R hub name not in Hugging Face's cache, without network",
+                                                           # test_sweeps.py
+                                                           "W&B online where its server cannot be reached",
                                                            "a SLURM job of several tasks started without submitit or torchrun",
                                                            # test_config.py, test_sweeps.py: conf files of one's own
                                                            "an unknown key in an option file of one's own",

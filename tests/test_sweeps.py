@@ -6,6 +6,7 @@ import json
 import re
 import signal
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -686,8 +687,12 @@ def test_wandb_modes(tmp_path, monkeypatch):
     logger.finish({"status": "completed"})
     assert not (tmp_path / "disabled" / "wandb").exists()
     assert read_jsonl(tmp_path / "disabled" / "metrics.jsonl") == [{"step": 1, "loss": 1.0}]
-    with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
-        RunLogger(tmp_path / "online", {"wandb": {"mode": "online"}}, {"a": 1}, name="none")
+    from src import loggers
+
+    with monkeypatch.context() as m:
+        m.setattr(loggers, "unreachable", lambda url: None)  # a server that answers: W&B's own check of the key
+        with pytest.raises(ConfigError, match=r"^logger.wandb.mode=online: No API key configured"):
+            RunLogger(tmp_path / "online", {"wandb": {"mode": "online"}}, {"a": 1}, name="none")
     with pytest.raises(ConfigError, match=r"^logger.wandb.mode=ofline: expected one of online, offline, disabled, "
                                           r"shared, dryrun, run; did you mean offline\?$"):
         RunLogger(tmp_path / "typo", {"wandb": {"mode": "ofline"}}, {"a": 1}, name="none")
@@ -714,6 +719,7 @@ def test_online_a_server_that_does_not_answer_is_waited_for_once_a_process(tmp_p
     from src import loggers
 
     monkeypatch.setattr(loggers, "_server_unanswered", None)
+    monkeypatch.setattr(loggers, "unreachable", lambda url: None)  # reached, but no answer to wandb.init
     calls = []
 
     def init(**kwargs):
@@ -736,6 +742,49 @@ def test_online_a_server_that_does_not_answer_is_waited_for_once_a_process(tmp_p
     assert calls == [7]  # waited for once: not again to record the failure, nor in the next job
 
 
+def test_online_a_server_that_cannot_be_reached_is_said_at_once(tmp_path, monkeypatch):
+    """Nothing at W&B's address (no network, a wrong WANDB_BASE_URL): wandb.init waited init_timeout (90 s; 104 s
+    in all) before it said so. One request says it at once, without wandb.init, and the next job of the process
+    fails at once too."""
+    import wandb
+
+    from src import loggers
+    from src.errors import ConfigError
+    from src.loggers import RunLogger
+
+    monkeypatch.setattr(loggers, "_server_unanswered", None)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("wandb.init called"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: no one listens
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.delenv("WANDB_MODE")
+    said = ("logger.wandb.mode=online: W&B's server at http://127.0.0.1:9 cannot be reached ([Errno 111] Connection "
+            "refused); log with logger.wandb.mode=offline and upload later with `wandb sync <run dir>/wandb/"
+            "offline-run-*`")
+    for job, after in ((0, ""), (1, " (as for an earlier job of this process)")):
+        started = time.perf_counter()
+        with pytest.raises(ConfigError) as e:
+            RunLogger(tmp_path / str(job), {"wandb": {"mode": "online"}}, {}, name="none")
+        assert str(e.value) == said + after and time.perf_counter() - started < 20
+
+
+def test_a_server_is_unreachable_only_where_nothing_answers():
+    """network.unreachable: a refused connection and a host without an address are unreachable; a server that
+    answers, even with an error, is not."""
+    import http.server
+    import threading
+
+    from src.network import unreachable
+
+    assert unreachable("http://127.0.0.1:9") == "[Errno 111] Connection refused"
+    assert unreachable("http://no-such-host.invalid") is not None  # .invalid never resolves
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to HEAD
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert unreachable(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+
+
 def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypatch):
     """Online, a run resumed in its own directory passes the id it stored with resume="allow" (how W&B continues
     a run); a new run passes neither. wandb.init is replaced: this machine cannot reach W&B."""
@@ -743,6 +792,7 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
 
     import wandb
 
+    from src import loggers
     from src.loggers import WANDB_ID_FILE, RunLogger
 
     calls = []
@@ -754,6 +804,7 @@ def test_online_a_resumed_run_asks_wandb_to_continue_its_run(tmp_path, monkeypat
         return run
 
     monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setattr(loggers, "unreachable", lambda url: None)
     monkeypatch.setenv("WANDB_MODE", "online")
     for resuming in (False, True):
         RunLogger(tmp_path, {"wandb": {"mode": "online"}}, {}, name="none", resuming=resuming).finish({"status": "completed"})
