@@ -15,19 +15,17 @@ _NO_ROUTE = (errno.ENETUNREACH, errno.EHOSTUNREACH)
 def unreachable(url: str, timeout: float = 10.0) -> str | None:
     """Why nothing answers at ``url`` (no address for its host, no route to it, a connection refused or timed
     out), from one HEAD request through the environment's proxies, without retries; None where anything answers,
-    an error included, or the request fails otherwise (a TLS problem is left to the client, which knows its
-    certificates)."""
+    an error included, or the request fails otherwise: once connected (a server slow to answer), or a TLS problem,
+    left to the client, which knows its certificates."""
     try:
         urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
     except urllib.error.HTTPError:
         return None  # an answer
-    except urllib.error.URLError as e:
+    except urllib.error.URLError as e:  # raised while connecting
         reason = e.reason
         if isinstance(reason, (socket.gaierror, ConnectionError, TimeoutError)) or (
                 isinstance(reason, OSError) and reason.errno in _NO_ROUTE):
             return str(reason) or type(reason).__name__
-    except (ConnectionError, TimeoutError) as e:
-        return str(e) or type(e).__name__
-    except (OSError, ValueError):  # a malformed address, a TLS error: the client says what it makes of it
+    except (OSError, ValueError):  # once connected (a slow answer), a malformed address: the client's to judge
         return None
     return None

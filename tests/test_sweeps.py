@@ -769,14 +769,17 @@ def test_online_a_server_that_cannot_be_reached_is_said_at_once(tmp_path, monkey
 
 def test_a_server_is_unreachable_only_where_nothing_answers():
     """network.unreachable: a refused connection and a host without an address are unreachable; a server that
-    answers, even with an error, is not."""
+    answers, even with an error, is not, nor one that takes the connection and is slow to answer."""
     import http.server
+    import socket
     import threading
 
     from src.network import unreachable
 
     assert unreachable("http://127.0.0.1:9") == "[Errno 111] Connection refused"
     assert unreachable("http://no-such-host.invalid") is not None  # .invalid never resolves
+    with socket.create_server(("127.0.0.1", 0)) as slow:  # connections taken (by the kernel), never answered
+        assert unreachable(f"http://127.0.0.1:{slow.getsockname()[1]}", timeout=1) is None
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # 501 to HEAD
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
