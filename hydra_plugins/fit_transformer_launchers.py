@@ -96,8 +96,9 @@ def cut(items: Sequence, per_job: int) -> list[tuple]:
 
 
 class Slot(NamedTuple):  # (not a dataclass: Hydra's plugin scan runs this module outside sys.modules)
-    """What one job of a local sweep runs on: its GPUs (``CUDA_VISIBLE_DEVICES``; None: not divided) and its
-    cores (``cpus_per_task`` for each of its tasks in turn; none: not divided)."""
+    """What one job of a local sweep runs on: its GPUs (``CUDA_VISIBLE_DEVICES``; empty: none, on a machine that
+    shows none; None: not divided) and its cores (``cpus_per_task`` for each of its tasks in turn; none: not
+    divided)."""
 
     gpus: str | None = None
     cpus: tuple[int, ...] = ()
@@ -105,7 +106,7 @@ class Slot(NamedTuple):  # (not a dataclass: Hydra's plugin scan runs this modul
     def __str__(self) -> str:
         from src.environment import core_list
 
-        return ", ".join([*([f"GPU(s) {self.gpus}"] if self.gpus is not None else []),
+        return ", ".join([*([f"GPU(s) {self.gpus}"] if self.gpus else []),
                           *([f"cores {core_list(self.cpus)}"] if self.cpus else [])])
 
 
@@ -113,13 +114,16 @@ def job_slots(gpus: Sequence[str], gpus_per_job: int, cpus: Sequence[int], cpus_
     """A slot for each job that may run at once: ``gpus_per_job`` of the GPUs (where the machine shows any) and
     ``cpus_per_job`` of the cores (where given), as many slots as both allow. Where neither is divided (no GPUs and
     no cores a job), one slot of all the cores: one job at a time, as the default launcher runs them (all at once,
-    each with a thread per core, two jobs took 3.3x as long on 2 cores: README, More than one GPU)."""
+    each with a thread per core, two jobs took 3.3x as long on 2 cores: README, More than one GPU). On a machine
+    that shows no GPUs, every slot's are none (submitit's executor would show each job the ``gpus_per_node``
+    GPUs it was asked for, which are not there, and the job's summary would record them)."""
     by_gpus = [",".join(g) for g in cut(gpus, gpus_per_job)] if gpus and gpus_per_job else None
     by_cpus = cut(cpus, cpus_per_job) if cpus_per_job else None
     if by_gpus is None and by_cpus is None:
         by_cpus = [tuple(cpus)]
     n = min(len(slots) for slots in (by_gpus, by_cpus) if slots is not None)
-    return [Slot(by_gpus[i] if by_gpus is not None else None, by_cpus[i] if by_cpus is not None else ())
+    undivided = None if gpus else ""
+    return [Slot(by_gpus[i] if by_gpus is not None else undivided, by_cpus[i] if by_cpus is not None else ())
             for i in range(n)]
 
 
@@ -189,8 +193,8 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
             return run_in_slots(slots, len(job_overrides), run)
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
-        """In the job's process (each task's), before anything there starts CUDA: the job's own GPUs, not
-        submitit's 0 .. gpus_per_node - 1 for every job, and the task's own cores."""
+        """In the job's process (each task's), before anything there starts CUDA: the job's own GPUs (none
+        on a machine without), not submitit's 0 .. gpus_per_node - 1 for every job, and the task's own cores."""
         if self.slot.gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = self.slot.gpus
         if self.slot.cpus:

@@ -218,11 +218,30 @@ def test_a_local_sweep_cuts_the_visible_gpus_and_cores_into_one_slot_per_job(mon
     assert job_slots(gpus, 1, cores, 3) == [Slot("2", (0, 1, 2)), Slot("3", (3, 4, 5))]  # the cores allow two
     assert job_slots(gpus, 1, cores, 2) == [Slot(g, (2 * i, 2 * i + 1)) for i, g in enumerate(gpus)]
     assert job_slots(gpus, 5, cores, 0) == []  # more GPUs a job than there are: submitit's every job at once
-    assert job_slots([], 1, cores, 4) == [Slot(None, (0, 1, 2, 3)), Slot(None, (4, 5, 6, 7))]
-    assert job_slots([], 1, cores, 0) == job_slots(gpus, 0, cores, 0) == [Slot(None, tuple(cores))]
-    assert str(Slot("2,3", (0, 1, 2, 3, 6))) == "GPU(s) 2,3, cores 0-3,6" and str(Slot(None, (5,))) == "cores 5"
+    assert job_slots(gpus, 0, cores, 0) == [Slot(None, tuple(cores))]  # GPUs not divided: submitit's none a job
+    # a machine without GPUs: each job shown none, whatever gpus_per_node asks for
+    assert job_slots([], 1, cores, 4) == [Slot("", (0, 1, 2, 3)), Slot("", (4, 5, 6, 7))]
+    assert job_slots([], 1, cores, 0) == job_slots([], 0, cores, 0) == [Slot("", tuple(cores))]
+    assert str(Slot("2,3", (0, 1, 2, 3, 6))) == "GPU(s) 2,3, cores 0-3,6" and str(Slot("", (5,))) == "cores 5"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert visible_gpus() == []
+
+
+@pytest.mark.parametrize(("slot_gpus", "shown"), [("1,3", "1,3"), ("", ""), (None, "0")])
+def test_a_local_sweeps_job_is_shown_its_slots_gpus_and_no_others(monkeypatch, slot_gpus, shown):
+    """In the job's process, before train.py runs: CUDA_VISIBLE_DEVICES is the slot's GPUs, none where the machine
+    has none (submitit's executor had set 0 for gpus_per_node=1, GPUs the job's summary then recorded), and
+    submitit's own where the slot does not divide GPUs."""
+    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+
+    from hydra_plugins.fit_transformer_launchers import LocalLauncher, Slot
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as submitit's local executor starts the job
+    monkeypatch.setattr(submitit_launcher.BaseSubmititLauncher, "__call__",
+                        lambda *args: os.environ["CUDA_VISIBLE_DEVICES"])
+    launcher = LocalLauncher.__new__(LocalLauncher)
+    launcher.slot = Slot(slot_gpus)
+    assert launcher([], "hydra.sweep.dir", 0, "0", {}) == shown
 
 
 @pytest.mark.parametrize("asked", [None, "1"])
