@@ -157,7 +157,25 @@ def run_in_slots(slots: Sequence[S], jobs: int, run: Callable[[S, int], T]) -> l
             free.put(slot)
 
     with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="job-slot") as pool:
-        return list(pool.map(one, range(jobs)))  # map's iterator, stopped, cancels the jobs not yet started
+        try:
+            return list(pool.map(one, range(jobs)))
+        except BaseException:  # (map's iterator cancels the jobs queued when stopped, but not before it has begun)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+class _FirstTimeOnly(logging.Filter):
+    """Lets each message through once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        first = message not in self.seen
+        self.seen.add(message)
+        return first
 
 
 class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
@@ -189,8 +207,13 @@ class LocalLauncher(_WaitsForEveryJob, submitit_launcher.LocalLauncher):
             log.info("#%d on %s", initial_job_idx + i, slot)
             return submitit_launcher.LocalLauncher.launch(job, [job_overrides[i]], initial_job_idx + i)[0]
 
-        with self._waiting():  # once for all the jobs: it patches submitit.Job
-            return run_in_slots(slots, len(job_overrides), run)
+        once = _FirstTimeOnly()  # the plugin's launch, run for each job, logs the sweep's directory each time
+        submitit_launcher.log.addFilter(once)
+        try:
+            with self._waiting():  # once for all the jobs: it patches submitit.Job
+                return run_in_slots(slots, len(job_overrides), run)
+        finally:
+            submitit_launcher.log.removeFilter(once)
 
     def __call__(self, sweep_overrides, job_dir_key, job_num, job_id, singleton_state):
         """In the job's process (each task's), before anything there starts CUDA: the job's own GPUs (none

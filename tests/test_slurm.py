@@ -232,13 +232,11 @@ def test_a_local_sweeps_job_is_shown_its_slots_gpus_and_no_others(monkeypatch, s
     """In the job's process, before train.py runs: CUDA_VISIBLE_DEVICES is the slot's GPUs, none where the machine
     has none (submitit's executor had set 0 for gpus_per_node=1, GPUs the job's summary then recorded), and
     submitit's own where the slot does not divide GPUs."""
-    from hydra_plugins.hydra_submitit_launcher import submitit_launcher
-
     from hydra_plugins.fit_transformer_launchers import LocalLauncher, Slot
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as submitit's local executor starts the job
-    monkeypatch.setattr(submitit_launcher.BaseSubmititLauncher, "__call__",
-                        lambda *args: os.environ["CUDA_VISIBLE_DEVICES"])
+    plugins = next(c for c in LocalLauncher.__mro__[1:] if "__call__" in vars(c))  # the plugin's, which runs train.py
+    monkeypatch.setattr(plugins, "__call__", lambda *args: os.environ["CUDA_VISIBLE_DEVICES"])
     launcher = LocalLauncher.__new__(LocalLauncher)
     launcher.slot = Slot(slot_gpus)
     assert launcher([], "hydra.sweep.dir", 0, "0", {}) == shown
@@ -286,26 +284,42 @@ def test_a_local_sweep_starts_the_next_job_on_the_first_gpus_freed():
     assert slot_of[1] == slot_of[2] == slot_of[3] != slot_of[0] and {slot_of[0], slot_of[1]} == {"0", "1"}
 
 
-def test_a_local_sweep_stopped_starts_no_more_jobs():
-    """Ctrl-C in the sweep (here a signal raising in the main thread while both slots are busy): the running jobs
-    are waited for, and the two not yet started never start."""
-    from hydra_plugins.fit_transformer_launchers import run_in_slots
+class Stopped(Exception):
+    pass
 
-    class Stopped(Exception):
-        pass
+
+@pytest.mark.parametrize("when", ["running", "queued"])
+def test_a_local_sweep_stopped_starts_no_more_jobs(monkeypatch, when):
+    """Ctrl-C in the sweep (here a signal raising in the main thread) while both slots are busy, or just after the
+    last job was queued, before the sweep waits for the first: the running jobs are waited for, and the two not yet
+    started never start (the second case ran all four, once the first two had ended)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hydra_plugins.fit_transformer_launchers import run_in_slots
 
     def stop(signum, frame):
         raise Stopped
 
-    started, both_running = [], threading.Barrier(2)
+    started, both_running, ended = [], threading.Barrier(2), []
+    queue_job = ThreadPoolExecutor.submit
+
+    def queue_and_stop(pool, fn, *args):
+        future = queue_job(pool, fn, *args)
+        if args == (3,):
+            raise Stopped  # as the signal's handler would, between the last job queued and the first waited for
+        return future
+
+    if when == "queued":
+        monkeypatch.setattr(ThreadPoolExecutor, "submit", queue_and_stop)
 
     def run(slot: str, i: int) -> None:
         started.append(i)
         if i < 2:
             both_running.wait(timeout=10)
-            if i == 0:
+            if i == 0 and when == "running":
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
             time.sleep(1)
+            ended.append(i)
 
     previous = signal.signal(signal.SIGUSR1, stop)
     try:
@@ -313,7 +327,7 @@ def test_a_local_sweep_stopped_starts_no_more_jobs():
             run_in_slots(["0", "1"], 4, run)
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    assert sorted(started) == [0, 1]
+    assert sorted(started) == sorted(ended) == [0, 1]
 
 
 @pytest.mark.slow
@@ -339,6 +353,7 @@ def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, 
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (f"3 job(s), 2 at a time, each on its own: GPU(s) 0, cores {cores[0]} | GPU(s) 1, cores {cores[1]}"
             in proc.stdout + proc.stderr)
+    assert (proc.stdout + proc.stderr).count("sweep output dir") == 1  # the plugin's line, once for the sweep
     slot = {int(job): (gpu, core) for job, gpu, core in
             re.findall(r"#(\d) on GPU\(s\) (\S+), cores (\S+)", proc.stdout + proc.stderr)}
     first = {job: json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1")}
