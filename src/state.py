@@ -340,9 +340,11 @@ RUN_FILES = ("summary.json", "test.hyp.txt", "config.yaml", "metrics.jsonl", WAN
 def remove_partial_writes(run_dir: Path, ckpt_dir: Path) -> None:
     """The temporary files and folders of the run's writes that SIGKILL cut short (the writer removes its own
     otherwise), never read: a checkpoint's, as large as the model and its optimizer state; the summary's, the test
-    translations', the tokenizer's. Others' files in the run directory (paths.output_dir=. , say) are left."""
+    translations', the tokenizer's (and the earlier tokenizer folder that atomic_dir moves aside, ``.old``, where the
+    kill came between its two renames: the run saves its tokenizer again as it starts). Others' files in the run
+    directory (paths.output_dir=. , say) are left."""
     for folder, patterns in ((ckpt_dir, [".*.tmp"]), (run_dir, [f".{name}.*.tmp" for name in RUN_FILES]),
-                             (run_dir / "tokenizer", [".*.tmp"])):
+                             (run_dir / "tokenizer", [".*.tmp", ".*.old"])):
         partial = sorted(path for pattern in patterns for path in folder.glob(pattern))
         for path in partial:
             if path.is_dir():

@@ -293,9 +293,10 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
     partial = ckpts / ".step_00000008.pt.x1y2z3.tmp"  # atomic_path's temporary file, the run killed while writing
     partial.write_bytes(b"\0" * 1000)
     run_dir = ckpts.parent  # and those of the summary and of the tokenizer's folder (atomic_dir), killed likewise
-    partial_files = [run_dir / ".summary.json.a1b2.tmp", run_dir / "tokenizer" / ".hf.c3d4.tmp" / "tokenizer.json"]
+    partial_files = [run_dir / ".summary.json.a1b2.tmp", run_dir / "tokenizer" / ".hf.c3d4.tmp" / "tokenizer.json",
+                     run_dir / "tokenizer" / ".hf.e5f6.old" / "hf" / "tokenizer.json"]  # (between its two renames)
     for path in [*partial_files, run_dir / ".another.tool.tmp"]:  # not the run's: left
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{")
     with caplog.at_level(logging.WARNING):
         summary = train(fast_cfg("trainer.max_steps=8", "trainer.save_every=2", "trainer.eval_every=8",
@@ -305,7 +306,8 @@ def test_resume_auto_passes_over_a_truncated_checkpoint(fast_cfg, tmp_path, capl
                for r in caplog.records)
     assert summary["steps"] == 8
     assert not partial.exists() and "removed 1 checkpoint(s) left half-written" in caplog.text
-    assert not any(path.exists() for path in partial_files) and not (run_dir / "tokenizer" / ".hf.c3d4.tmp").exists()
+    assert not any(path.exists() for path in partial_files)
+    assert sorted(p.name for p in (run_dir / "tokenizer").iterdir()) == ["codecs.json"]  # the folders too, emptied
     assert (run_dir / ".another.tool.tmp").exists()
     assert "removed 1 file(s) left half-written in " + str(run_dir) + " " in caplog.text
 
