@@ -314,6 +314,22 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
 
 
 @pytest.mark.slow
+def test_each_rank_of_a_run_draws_from_its_own_seed(ddp_and_fsdp):
+    """The 2-rank run seeded each rank's random streams (its dropout masks) with ``rank_seed(seed, rank)`` once the
+    model was built: its checkpoint keeps each rank's random state, and Python's, which training does not draw
+    from, is still the one that seed gave. (The function alone was tested: a run seeding every rank with the
+    run's seed passed every test.)"""
+    import random
+
+    seed = OmegaConf.load(ddp_and_fsdp / "none" / ".hydra" / "config.yaml").seed
+    for memory in ("none", "fsdp"):
+        checkpoint = torch.load(ddp_and_fsdp / memory / "checkpoints" / "step_00000004.pt", weights_only=False)
+        python_states = [state["python"] for state in checkpoint["rng_ranks"]]
+        assert python_states == [random.Random(rank_seed(seed, rank)).getstate() for rank in (0, 1)], memory
+        assert python_states[0] != python_states[1]
+
+
+@pytest.mark.slow
 def test_a_sweep_job_of_two_submitit_tasks_trains_as_torchrun_does(ddp_and_fsdp, tmp_path, shared_cache):
     """hydra/launcher=local hydra.launcher.tasks_per_node=2: the job's two tasks are the ranks of one run (submitit's
     TorchDistributedEnvironment), which logs the losses of the same run under torchrun (ddp_and_fsdp's DDP run),
