@@ -491,6 +491,20 @@ def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nl
     assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
 
 
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_the_update_takes_the_gradients_clipped_to_the_configured_norm(clip):
+    """optim.clip_grad_norm: the gradients Adam steps with have that norm (when theirs is above it), and the norm
+    logged is the one before clipping; null: the gradients as they are."""
+    model, trainer = model_and_trainer(MemoryStrategy())
+    trainer.clip_grad_norm = clip
+    stepped_with = []
+    trainer.optimizer.register_step_pre_hook(lambda *_: stepped_with.append(
+        float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])))))
+    stats = trainer.step(micro_batches(make_split(), 1))
+    assert float(stats.grad_norm) > 0.5  # the batch's norm (before clipping)
+    assert stepped_with == [pytest.approx(clip or float(stats.grad_norm), rel=1e-5)]
+
+
 def test_fp16_clips_the_unscaled_gradients():
     """memory.amp=fp16: the GradScaler's scaled gradients are unscaled before clipping, so the norm clipped and
     logged is the true one and the update is fp32's, up to fp16 rounding (clipped while scaled, nearly every
