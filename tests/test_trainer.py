@@ -491,6 +491,22 @@ def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nl
     assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
 
 
+def test_the_padding_ratio_is_the_share_of_the_positions_computed_on_that_were_padding():
+    """padding_ratio (metrics.jsonl, summary.json): of the source and target positions of a step's micro-batches,
+    each padded to its own longest sentence, the share that were padding; the window's and the run's alike."""
+    from src.window import Window
+
+    _, trainer = model_and_trainer(MemoryStrategy(accum_steps=2))
+    batches = micro_batches(make_split(), 2)
+    positions = sum(b.src.numel() + b.tgt_out.numel() for b in batches)
+    padding = sum(int((b.src == PAD).sum() + (b.tgt_out == PAD).sum()) for b in batches)
+    assert 0 < padding < positions / 2
+    window = Window(torch.device("cpu"))
+    window.add(trainer.step(batches))
+    assert window.flush()["padding_ratio"] == pytest.approx(padding / positions)
+    assert window.padding_ratio(total=True) == pytest.approx(padding / positions)
+
+
 @pytest.mark.parametrize("clip", [0.5, None])
 def test_the_update_takes_the_gradients_clipped_to_the_configured_norm(clip):
     """optim.clip_grad_norm: the gradients Adam steps with have that norm (when theirs is above it), and the norm
