@@ -141,6 +141,8 @@ def test_the_planner_plans_what_the_chosen_kernel_keeps():
     (["cudnn", "efficient"], True, True, 0.0, 192, False, "efficient"),  # cuDNN: head size at most 128
     (["flash", "math"], False, True, 0.1, 320, False, "math"),  # flash: at most 256
     (["efficient", "math"], True, False, 0.0, 6, False, "math"),  # efficient: a multiple of 4 in fp32
+    (["efficient", "math"], True, False, 0.0, 12, False, "efficient"),  # (of 4, not of 8: fp32 takes it)
+    (["efficient", "math"], True, True, 0.0, 12, False, "math"),  # in half precision a multiple of 8
 ])
 def test_the_cuda_kernel_of_a_call_is_the_first_that_takes_it(names, masked, half, dropout, head_dim, deterministic,
                                                                kernel):
