@@ -288,7 +288,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
     ``exp_avg_sq`` shard at once, on the CPU the loop's, one parameter at a time. With a model large against its
-    batch, this moment is the peak.
+    batch, this moment is the peak. optim.weight_decay adds nothing to it on CUDA: the foreach implementation's
+    copy of the gradients with the decay added, as large as its square roots, is freed before they are taken.
 
     Checked against 2-rank runs in tests/test_distributed.py."""
     with torch.device("meta"):
@@ -319,17 +320,17 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
 
 def real_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
               label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0, world: World | None = None,
-              foreach: bool = False) -> tuple[Trainer, list[Batch]]:
+              foreach: bool = False, weight_decay: float = 0.0) -> tuple[Trainer, list[Batch]]:
     """The trainer and micro-batches of the step that ``estimate_step`` plans, for real: the model of ``args`` on
     ``device`` (seed 0), the strategy's loss and sharding, Adam as the run builds it (or its foreach implementation,
-    ``foreach``), and ``shape.accum_steps`` random micro-batches of ``shape`` with no padding."""
+    ``foreach``; with ``weight_decay``), and ``shape.accum_steps`` random micro-batches of ``shape`` with no padding."""
     free_earlier_runs()  # the steps measured before this one, in this process (their cached CUDA blocks: the caller's)
     torch.manual_seed(0)
     model = Transformer(args).to(device)
     net = LossModule(model, args.pad_id, label_smoothing, strategy.loss_chunk)
     if strategy.fsdp:
         fully_shard_net(net)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, weight_decay=weight_decay,
                                  **({"foreach": True} if foreach else {"fused": not strategy.fsdp}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
     trainer = Trainer(model, optimizer, scheduler, strategy, device, args.pad_id, label_smoothing, clip_grad_norm,
@@ -345,7 +346,7 @@ def real_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, devic
 
 def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, device: torch.device,
                  label_smoothing: float = 0.1, clip_grad_norm: float | None = 1.0,
-                 world: World | None = None, foreach: bool = False) -> dict[str, int]:
+                 world: World | None = None, foreach: bool = False, weight_decay: float = 0.0) -> dict[str, int]:
     """What ``estimate_step`` predicts, measured: a real training step (``real_step``; the second, after Adam's
     state exists). On the CPU the tracker's peak, and ``at_start``, the bytes the step starts from (parameters and
     optimizer state); on CUDA the allocator's ``max_memory_allocated`` and ``max_memory_reserved`` during the step,
@@ -353,7 +354,8 @@ def measure_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, de
     cuBLAS workspaces). memory=fsdp: this rank's, inside the process group of ``world``. With ``foreach``, Adam's
     foreach implementation (which memory=fsdp's sharded parameters take on CUDA, and on the CPU only when asked):
     the CUDA estimate's step, checked on a CPU."""
-    trainer, micro = real_step(args, strategy, shape, device, label_smoothing, clip_grad_norm, world, foreach)
+    trainer, micro = real_step(args, strategy, shape, device, label_smoothing, clip_grad_norm, world, foreach,
+                               weight_decay)
     # Adam's state, as every step after the first has it. On CUDA a first step of the measured batch creates it and
     # warms the caching allocator; the CPU's tracker counts tensors, not a cache, so there it is created without a
     # forward and backward pass (a model=base bf16 step takes a minute on a CPU without bf16 kernels).

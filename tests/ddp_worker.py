@@ -102,8 +102,9 @@ def fsdp_peak(out: Path, world) -> None:
              for name, fsdp in (("fsdp", True), ("ddp", False))}
     # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
-    peaks["fsdp_step"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
-                                      foreach=True)
+    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param
+        peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
+                                   foreach=True, weight_decay=decay)
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
 
 

@@ -490,8 +490,11 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     step = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 2, device="cuda")
     assert step.by_category["backward"] == 0  # the step's moment: no layer gathered
+    # The plan leaves optim.weight_decay out. Adam with it adds the decay into a new copy of every gradient shard,
+    # but frees that copy before it takes the square roots, which are as large: the same peak (measured).
     for peaks in measured:
-        assert -0.01 < (step.peak_bytes - peaks["fsdp_step"]["peak"]) / peaks["fsdp_step"]["peak"] < 0.02
+        for name in ("fsdp_step", "fsdp_step_decay"):
+            assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
