@@ -898,6 +898,12 @@ def test_a_best_pt_unreadable_for_a_moment_is_kept_and_a_damaged_one_removed(tmp
     torch.save({"progress": {"step": 2}}, best)
     best.write_bytes(best.read_bytes()[:100])
     assert drop_later_checkpoints(ckpts, 4) == [best] and not best.exists()
+    # the step checkpoints after step 4 go, the very next one's included (a signal's stop at step 5)
+    steps = {n: ckpts / f"step_{n}.pt" for n in (3, 4, 5, 8)}
+    for path in steps.values():
+        path.write_bytes(b"")
+    assert drop_later_checkpoints(ckpts, 4) == [steps[8], steps[5]]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_3.pt", "step_4.pt"]
 
 
 class _Rank:
