@@ -172,7 +172,7 @@ def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path)
     for job, tag in (("0", "a|b"), ("1", "$x^$")):
         d = sweep / job
         (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "overrides.yaml").write_text(f"- tags=['{tag}']\n")
+        (d / ".hydra" / "overrides.yaml").write_text(f"- data.root={tag}\n")  # in the run's name (tags are not)
         summary = {"status": "completed", "strategy": "none", "tokens_per_s": 10.0, "peak_memory_mb": 1.0}
         if job == "0":
             summary = {"status": "failed", "strategy": "none",
@@ -183,7 +183,7 @@ def test_report_rows_stay_one_line_whatever_the_labels_and_errors_hold(tmp_path)
     md, png, table = write_report(sweep)
     lines = [line for line in table.splitlines() if line.startswith("| ")]
     cells = [len(re.findall(r"(?<!\\)\|", line)) for line in lines]  # the cell separators: unescaped |
-    assert len(lines) == 3 and cells[1:] == [cells[0], cells[0]]
+    assert len(lines) == 3 and cells[1:] == [cells[0], cells[0]] and r"data.root=a\|b" in lines[1]
     assert "file not found / data/valid.de: file not found" in lines[1]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -330,6 +330,8 @@ def test_the_plot_names_unfinished_jobs_in_plain_text_and_draws_a_lone_point(tmp
     assert "not finished:" in text and "out of memory" in text and "no summary.json (still running" in text
     assert "finished, not plotted:\n3 none: no peak memory" in text  # a completed run is not dropped unsaid
     assert "*" not in text
+    # the finished job with both figures is the one point: the one that ran out of memory is not a result
+    assert [c.get_offsets().tolist() for c in ax_mem.collections] == [[[10.0, 1.0]]]
     markers = {line.get_label(): line.get_marker() for line in ax_loss.lines}
     assert markers["1 none"] == "o" and markers["0 none"] in ("None", None, "")
     plt.close(figures[0])
