@@ -505,10 +505,14 @@ def test_a_run_stopped_by_a_nonfinite_step_resumes_from_the_step_before_it(fast_
     assert resumed["test_bleu"] == json.loads((tmp_path / "clean" / "summary.json").read_text())["test_bleu"]
 
 
-def test_too_many_nonfinite_steps_stop_the_run(fast_cfg):
-    cfg = fast_cfg("fault.kind=nan_loss", "fault.at_step=2", "fault.times=1", "trainer.max_nonfinite=0")
+def test_too_many_nonfinite_steps_stop_the_run(fast_cfg, tmp_path, shared_cache):
+    """trainer.max_nonfinite=N skips N non-finite steps and stops at the next: one skip is within 1, not within 0."""
+    nan = ["fault.kind=nan_loss", "fault.at_step=2", "fault.times=1", "trainer.max_steps=3", "trainer.eval_every=3"]
+    summary = train(compose_config(*FAST, *nan, "trainer.max_nonfinite=1", run_dir=tmp_path / "one",
+                                   cache_dir=shared_cache))
+    assert summary["status"] == "completed" and summary["nonfinite_skips"] == 1 and summary["steps"] == 3
     with pytest.raises(NumericalError, match=r"1 non-finite step, more than trainer.max_nonfinite=0 allows to skip"):
-        train(cfg)
+        train(fast_cfg(*nan, "trainer.max_nonfinite=0"))
 
 
 def files_of(run: Path) -> dict[str, bytes]:
