@@ -921,6 +921,15 @@ def test_the_position_limit_counts_the_special_token_exactly():
     check_positions(*corpus_of(9), 5, MemoryStrategy(max_src_len=4), {})  # cut to 4
     with pytest.raises(ConfigError, match=r"^memory.max_src_len=5: above model.max_positions=5 less the special"):
         check_positions(*corpus_of(9), 5, MemoryStrategy(max_src_len=5), {})
+    # a held-out line too long is refused, but not under trainer.overfit_batches, which evaluates training pairs
+    text = corpus_mod.ParallelText(["x"], ["y"])
+    held = corpus_mod.Corpus("de", "en", {"train": text, "test": text},
+                             {"train": ["train.de", "train.en"], "test": ["test.de", "test.en"]})
+    splits = {name: EncodedSplit([torch.zeros(n, dtype=torch.long)], [torch.zeros(2, dtype=torch.long)])
+              for name, n in (("train", 4), ("test", 5))}
+    with pytest.raises(DataError, match=r"^test.de:1: 6 source / 3 target positions .* remove or split that line"):
+        check_positions(held, SimpleNamespace(splits=splits), 5, MemoryStrategy(), {})
+    check_positions(held, SimpleNamespace(splits=splits), 5, MemoryStrategy(), {"overfit_batches": 1})
 
 
 def test_the_encoding_cache_is_keyed_by_the_languages_too():
