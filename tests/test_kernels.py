@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import os
 
 import pytest
 import torch
@@ -221,3 +222,16 @@ def test_plan_py_plans_cudnn_as_a_deterministic_run_runs_it(fast_cfg, monkeypatc
                                                            {"setting": "[cudnn,math]", "math": True},
                                                            {"setting": "[math]", "math": True}]
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_algorithms_hold_for_the_block_and_the_settings_before_come_back(monkeypatch):
+    """trainer.deterministic sets PyTorch's deterministic kernels and turns cuDNN's benchmarking off for the run;
+    a sweep's jobs share the process, so the next job finds the settings as they were (benchmarking on, here)."""
+    from src.kernels import deterministic_algorithms
+
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with deterministic_algorithms(True):
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
