@@ -20,6 +20,7 @@ from src import fileio
 from src import tokenizers as tokenizers_mod
 from src.data import corpus as corpus_mod
 from src.data import encode as encode_mod
+from src.data.batching import collate
 from src.data.corpus import (
     MULTI30K_SHA256,
     download,
@@ -421,6 +422,12 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(first.splits[split].src, second.splits[split].src))
         assert all(torch.equal(a, b) for a, b in zip(first.splits[split].tgt, second.splits[split].tgt))
     assert second.tgt_codec.itos == first.tgt_codec.itos
+    for encoded in (first, second):  # 4 bytes an id in memory (a WMT-sized corpus: 1 GB less); batches are int64
+        train = encoded.splits["train"]
+        assert train.src.ids.dtype == train.tgt.ids.dtype == torch.int32
+        batch = collate(train.src[:4], train.tgt[:4], 0, 1, 2)
+        assert {t.dtype for t in (batch.src, batch.tgt_in, batch.tgt_out)} == {torch.int64}
+        assert batch.tgt_out[0, :len(train.tgt[0])].tolist() == train.tgt[0].tolist()
     monkeypatch.undo()
     other = encode_corpus(corpus, {"name": "spacy", "min_freq": 2}, tmp_path)
     assert not other.from_cache and other.cache_file != first.cache_file

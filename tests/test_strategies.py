@@ -123,6 +123,8 @@ def test_trimmed_vocabulary_round_trips_training_sentences(xlmr_dir, tmp_path):
             assert codec.decode(after.tolist()) == full.src_codec.decode(before.tolist())
             assert codec.encode([text])[0] == after.tolist()
     assert codec.unk_id not in torch.cat(list(trimmed.splits["train"].src)).tolist()
+    assert {getattr(split, side).ids.dtype for split in trimmed.splits.values() for side in ("src", "tgt")} == {
+        torch.int32}  # renumbered, still 4 bytes an id
 
 
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])

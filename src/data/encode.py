@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 import traceback
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,15 +97,19 @@ def changed_packages(tokenizer: dict, cached: dict) -> list[str]:
 
 
 class PackedSequences(Sequence[Tensor]):
-    """Token ids of many sentences end to end in one int64 tensor; item ``i`` is a view of sentence ``i``.
+    """Token ids of many sentences end to end in one tensor; item ``i`` is a view of sentence ``i``. The ids stay
+    int32 as the cache holds them (4 bytes an id); a batch is int64, as ``collate`` adds the special tokens.
 
     One tensor per sentence costs about 600 bytes besides its ids (the tensor, its storage, their allocations):
     Multi30k's 29,000 training pairs took 42 MB as 58,000 tensors and take 10 MB packed (measured), and a corpus
-    of millions of pairs would spend gigabytes on bookkeeping."""
+    of millions of pairs would spend gigabytes on bookkeeping. Each sentence's length and start are 8-byte integers
+    in arrays, not Python ints in lists: one side of 4.5M sentences of 30 ids takes 584 MiB, and took 1,239 MiB as
+    int64 ids and lists (experiments/foundation/packed_memory.py)."""
 
     def __init__(self, ids: Tensor, lengths: Tensor):
-        self.ids, self.lengths = ids, lengths.tolist()
-        self._starts = (torch.cumsum(lengths, 0) - lengths).tolist()
+        self.ids = ids
+        self.lengths = _int_array(lengths)
+        self._starts = _int_array(torch.cumsum(lengths, 0) - lengths)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -115,6 +120,10 @@ class PackedSequences(Sequence[Tensor]):
         return self.ids.narrow(0, self._starts[i], self.lengths[i])
 
 
+def _int_array(values: Tensor) -> array:
+    return array("q", values.to(torch.int64).numpy().tobytes())
+
+
 def seq_lengths(seqs: Sequence[Tensor]) -> list[int]:
     """Each sentence's length: PackedSequences keeps them (a view per sentence took 14 s of every run's start on a
     million pairs); a list of tensors (the first pairs of a split, an overfit set) is measured."""
@@ -123,7 +132,7 @@ def seq_lengths(seqs: Sequence[Tensor]) -> list[int]:
 
 @dataclass
 class EncodedSplit:
-    src: Sequence[Tensor]  # int64 token ids per sentence, no special tokens (PackedSequences or a list)
+    src: Sequence[Tensor]  # token ids per sentence, no special tokens (PackedSequences, int32; or a list)
     tgt: Sequence[Tensor]
 
     def __len__(self) -> int:
@@ -181,7 +190,7 @@ def _pack(seqs: list[list[int]]) -> dict[str, Tensor]:
 
 
 def _unpack(packed: dict[str, Tensor]) -> PackedSequences:
-    return PackedSequences(packed["ids"].long(), packed["lengths"])
+    return PackedSequences(packed["ids"], packed["lengths"])
 
 
 def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> EncodedCorpus:
@@ -387,7 +396,7 @@ def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, f
 def _mapped(seqs: Sequence[Tensor], table: Tensor) -> Sequence[Tensor]:
     """Every id replaced by ``table[id]``, packed sequences staying packed."""
     if isinstance(seqs, PackedSequences):
-        return PackedSequences(table[seqs.ids], torch.tensor(seqs.lengths))
+        return PackedSequences(table.to(seqs.ids.dtype)[seqs.ids], torch.tensor(seqs.lengths))
     return [table[s] for s in seqs]
 
 
