@@ -404,6 +404,8 @@ def test_packed_sequences_are_the_sentences_as_views():
     assert packed[2].data_ptr() == ids[3:].data_ptr()  # a view: no copy per sentence
     with pytest.raises(IndexError):
         packed[4]
+    narrow = PackedSequences(ids.int(), lengths.int())  # 4-byte ids and lengths, read as such
+    assert [t.tolist() for t in narrow] == [t.tolist() for t in expected] and narrow[0].dtype == torch.int32
 
 
 def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
