@@ -146,6 +146,31 @@ def test_a_vocabulary_trimmed_after_truncation_holds_the_pieces_trained_on(xlmr_
     assert len(train) == info["sentences"]["train"] == info["length_limit"]["pairs_before"] - dropped
 
 
+def test_a_truncated_run_holds_its_training_pairs_as_cut_and_lets_the_uncut_ones_go(tmp_path, monkeypatch):
+    """memory=truncate: the encoded corpus's training split is the cut one, and nothing holds the uncut ids (they
+    were held beside the cut ones for the whole run: 143 MiB of a 1M-pair corpus, experiments/foundation)."""
+    import gc
+    import weakref
+
+    from src.data import prepare
+
+    uncut, real = [], prepare.limit_lengths
+
+    def limit_lengths(split, *args):
+        uncut.append(weakref.ref(split.src))
+        return real(split, *args)
+
+    monkeypatch.setattr(prepare, "limit_lengths", limit_lengths)
+    cfg = compose_config(*FAST, "memory=truncate", "memory.max_src_len=6", "memory.max_tgt_len=6",
+                         run_dir=tmp_path / "run", cache_dir=tmp_path / "cache")
+    conf = OmegaConf.to_container(cfg, resolve=True)
+    _, encoded, train, info = prepare.prepare_data(conf, memory_strategy(conf["memory"]))
+    assert info["length_limit"]["pairs_affected"] > 0 and max(len(s) for s in train.src) <= 6
+    assert encoded.splits["train"] is train and len(encoded.splits["valid"]) == info["sentences"]["valid"]
+    gc.collect()
+    assert len(uncut) == 1 and uncut[0]() is None
+
+
 def test_a_trimmed_xlmr_run_translates_again_from_its_directory(fast_cfg, xlmr_dir, tmp_path):
     """The trimmed ids are the run's own: translate.py reads the run's tokenizer/ (XLM-R's files and the id map it
     saved) and gives the run's test translations back."""

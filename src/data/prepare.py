@@ -3,6 +3,7 @@ positions, and the training split after the memory strategy's truncation and voc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -107,6 +108,9 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
         if not len(train_split):
             raise DataError("every training pair is longer than memory.max_src_len / max_tgt_len; raise them")
         info["sentences"]["train"] = len(train_split)  # the pairs trained on (overlong=drop leaves some out)
+        # the pairs as cut are the corpus's training split from here on: the uncut ids are let go, not held beside
+        # them for the whole run
+        encoded = dataclasses.replace(encoded, splits={**encoded.splits, "train": train_split})
     if strategy.trim_vocab:  # after truncation: the pieces of the pairs trained on, as they are trained on
         from ..building import count_parameters  # (the model's modules: only here)
 
