@@ -331,13 +331,17 @@ def test_overlong_pairs_can_be_dropped_instead():
     assert d["src_tokens_removed"] == 13 and d["tgt_tokens_removed"] == 12
 
 
+@pytest.mark.parametrize("group", [100_000, 7])
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])
 @pytest.mark.parametrize("caps", [(5, 7), (None, 3), (4, None), (None, None), (0, 40)])
-def test_a_packed_split_is_limited_as_each_sentence_would_be(overlong, caps):
+def test_a_packed_split_is_limited_as_each_sentence_would_be(overlong, caps, group, monkeypatch):
     """limit_lengths keeps the split packed (a tensor per sentence cost 1.1 GB more at a million pairs): the same
-    sentences, ids and counts as cutting (or dropping) sentence by sentence, from a packed split or a list."""
+    sentences, ids and counts as cutting (or dropping) sentence by sentence, from a packed split or a list, whether
+    the sentences are cut all at once or a group at a time (batching.CUT_GROUP)."""
+    from src.data import batching
     from src.data.encode import PackedSequences
 
+    monkeypatch.setattr(batching, "CUT_GROUP", group)
     g = torch.Generator().manual_seed(3)
     sides = [[torch.randint(4, 99, (int(n),), generator=g) for n in torch.randint(0, 12, (60,), generator=g)]
              for _ in range(2)]

@@ -207,10 +207,19 @@ def limit_lengths(
     return EncodedSplit(*sides), stats
 
 
+# Sentences cut at a time: each id's position takes 8 bytes in each of the temporaries that find it, about 30 bytes
+# an id for a whole split at once (a run cutting 1M pairs of 15 ids, 57 MiB of ids a side, peaked 387 MiB higher).
+CUT_GROUP = 100_000
+
+
 def _cut_packed(seqs, lengths: Tensor, new_lengths: Tensor, kept: Tensor) -> PackedSequences:
     """The first ``new_lengths`` ids of each sentence of ``seqs`` that is ``kept``, packed."""
     ids = seqs.ids if isinstance(seqs, PackedSequences) else torch.cat([torch.as_tensor(s, dtype=torch.int64)
                                                                         for s in seqs] or [torch.zeros(0)]).long()
-    position = torch.arange(len(ids)) - (torch.cumsum(lengths, 0) - lengths).repeat_interleave(lengths)
-    keep = (position < new_lengths.repeat_interleave(lengths)) & kept.repeat_interleave(lengths)
-    return PackedSequences(ids[keep], new_lengths[kept])
+    starts, pieces = torch.cumsum(lengths, 0) - lengths, []
+    for first in range(0, len(lengths), CUT_GROUP):
+        n, cut, kept_here = (t[first:first + CUT_GROUP] for t in (lengths, new_lengths, kept))
+        part = ids.narrow(0, int(starts[first]), int(n.sum()))
+        position = torch.arange(len(part)) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+        pieces.append(part[(position < cut.repeat_interleave(n)) & kept_here.repeat_interleave(n)])
+    return PackedSequences(torch.cat(pieces) if pieces else ids[:0], new_lengths[kept])
