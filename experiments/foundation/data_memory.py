@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from src.data.prepare import prepare_data  # noqa: E402
-from src.memory import memory_strategy  # noqa: E402
+from src.memory import memory_strategy, peak_rss_mb  # noqa: E402
 
 
-def rss_mib(field: str = "VmRSS") -> float:
+def rss_mib() -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 if __name__ == "__main__":
@@ -35,4 +35,4 @@ if __name__ == "__main__":
         del corpus
         gc.collect()
         print(f"{info['sentences']} pairs; held by the prepared data: {rss_mib() - before:.0f} MiB "
-              f"(the process's peak so far {rss_mib('VmHWM'):.0f} MiB)")
+              f"(the process's peak so far {peak_rss_mb():.0f} MiB)")
