@@ -30,7 +30,7 @@ from src.data.corpus import (
     read_lines,
     read_parallel,
 )
-from src.data.encode import PackedSequences, encode_corpus
+from src.data.encode import PackedSequences, encode_corpus, length_tensor
 from src.data.synthetic import LengthDistribution
 from src.errors import ConfigError, DataError
 from src.fileio import atomic_path, write_text
@@ -406,6 +406,12 @@ def test_packed_sequences_are_the_sentences_as_views():
         packed[4]
     narrow = PackedSequences(ids.int(), lengths.int())  # 4-byte ids and lengths, read as such
     assert [t.tolist() for t in narrow] == [t.tolist() for t in expected] and narrow[0].dtype == torch.int32
+    for seqs in (packed, narrow, expected, PackedSequences(ids[:0], lengths[:0]), []):
+        lens = length_tensor(seqs)
+        assert lens.dtype == torch.int64 and lens.tolist() == [len(t) for t in seqs]
+    lens = length_tensor(packed)
+    lens[0] = 7  # a copy: the packed sentences keep their lengths
+    assert len(packed[0]) == 3
 
 
 def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .encode import EncodedSplit, PackedSequences, seq_lengths
+from .encode import EncodedSplit, PackedSequences, length_tensor, seq_lengths
 
 
 @dataclass
@@ -192,7 +192,7 @@ def limit_lengths(
     stays packed (a tensor per sentence took 1.1 GB more for a million pairs)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"memory.overlong={overlong}: expected truncate or drop")
-    lengths = {side: torch.tensor(seq_lengths(getattr(split, side)), dtype=torch.int64) for side in ("src", "tgt")}
+    lengths = {side: length_tensor(getattr(split, side)) for side in ("src", "tgt")}
     caps = {"src": max_src_len, "tgt": max_tgt_len}
     cut = {side: (n - caps[side]).clamp(min=0) if caps[side] is not None else torch.zeros_like(n)
            for side, n in lengths.items()}

@@ -130,6 +130,14 @@ def seq_lengths(seqs: Sequence[Tensor]) -> list[int]:
     return list(seqs.lengths) if isinstance(seqs, PackedSequences) else [len(x) for x in seqs]
 
 
+def length_tensor(seqs: Sequence[Tensor]) -> Tensor:
+    """Each sentence's length as an int64 tensor; PackedSequences' array is copied at once (0.02 s for 4.5M
+    sentences, where ``torch.tensor`` took 0.5 s reading it an element at a time)."""
+    if isinstance(seqs, PackedSequences) and len(seqs):
+        return torch.frombuffer(seqs.lengths, dtype=torch.int64).clone()
+    return torch.tensor(seq_lengths(seqs), dtype=torch.int64)
+
+
 @dataclass
 class EncodedSplit:
     src: Sequence[Tensor]  # token ids per sentence, no special tokens (PackedSequences, int32; or a list)
@@ -396,7 +404,7 @@ def in_forked_children(fn: Callable, calls: list[tuple]) -> list[tuple[object, f
 def _mapped(seqs: Sequence[Tensor], table: Tensor) -> Sequence[Tensor]:
     """Every id replaced by ``table[id]``, packed sequences staying packed."""
     if isinstance(seqs, PackedSequences):
-        return PackedSequences(table.to(seqs.ids.dtype)[seqs.ids], torch.tensor(seqs.lengths))
+        return PackedSequences(table.to(seqs.ids.dtype)[seqs.ids], length_tensor(seqs))
     return [table[s] for s in seqs]
 
 
