@@ -25,7 +25,9 @@ from src.errors import UserError
 from src.fileio import write_text
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command's flags. Their choices are written out, as importing the modules that hold them imports torch
+    (seconds), and --help answers at once; a test checks them against ``src.memory`` and ``src.kernels``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="+", help="a checkpoint written by train.py (checkpoints/best.pt or "
                    "checkpoints/step_<N>.pt; a run directory: what it tested with, best.pt or its last N averaged), "
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matmul-precision", choices=["highest", "high", "medium"], help="fp32 matrix products: "
                    "highest (fp32), high (TF32 on a GPU of compute capability 8.0 or later), medium (bf16 inside "
                    "them) (default: the run's trainer.matmul_precision)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = arguments()
     args = p.parse_args(argv)
     for flag, value, least in (("--beam-size", args.beam_size, 1), ("--batch-size", args.batch_size, 1),
                                ("--length-penalty", args.length_penalty, 0), ("--max-len-a", args.max_len_a, 0),

@@ -588,6 +588,15 @@ def test_translate_py_checks_its_arguments_before_loading_anything(args, message
     assert e.value.code == 2 and f"error: {message}" in capsys.readouterr().err
 
 
+def test_translate_py_offers_the_autocast_and_precision_choices_training_has():
+    import translate
+    from src.kernels import MATMUL_PRECISIONS
+    from src.memory import AMP_DTYPES
+
+    choices = {a.dest: a.choices for a in translate.arguments()._actions if a.choices}
+    assert choices == {"amp": ["none", *AMP_DTYPES], "matmul_precision": list(MATMUL_PRECISIONS)}
+
+
 def test_tokenizers_that_end_sentences_with_other_ids_are_refused():
     """Batches end and pad the source with the target tokenizer's ids, and decoding with the source's own."""
     import types
