@@ -824,7 +824,9 @@ class TrainingRun:
         states = full_state(self.model, self.optimizer, True) if self.strategy.fsdp else None  # every rank takes part
         scores = self.validate(self.evaluation_model(states and states[0])) if world.main else None
         scores = world.broadcast(scores, long_wait=True)
-        if scores["bleu"] > p.best_bleu:
+        # the best validation BLEU; between equal ones the lower loss (a short run's early validations all score 0)
+        if scores["bleu"] > p.best_bleu or (scores["bleu"] == p.best_bleu
+                                            and scores["loss"] < p.valid_scores.get("loss", math.inf)):
             p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
             self.save(self.best_path, states)
         self.peak.skip_window()
@@ -845,7 +847,7 @@ class TrainingRun:
             log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
         log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"],
                  scores["bleu"], scores["chrf"])
-        return scores
+        return {**scores, "loss": losses["loss"]}
 
     def test(self) -> dict:
         """Rank 0: the test set's translation (test.hyp.txt) and its scores."""
@@ -909,6 +911,7 @@ class TrainingRun:
             "best_step": p.best_step,
             "valid_bleu": p.valid_scores.get("bleu"),
             "valid_chrf": p.valid_scores.get("chrf"),
+            "valid_loss": p.valid_scores.get("loss"),
         }
 
     def summary(self, test_scores: dict) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import src.evaluate
 import src.run
 from src.checkpoint import load_checkpoint
 from src.errors import ConfigError, NumericalError
@@ -371,6 +372,25 @@ def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch, tmp_path, shar
     assert same_state(best, step)
 
 
+def test_between_validations_of_equal_bleu_the_lower_loss_is_the_best(fast_cfg, monkeypatch, tmp_path):
+    """A short run's early validations all score BLEU 0: the best of them is the one of the lowest validation loss
+    (it was the first), and the test set is translated by it."""
+    real = src.evaluate.Evaluator.translate
+
+    def zero_valid_bleu(self, model, split):
+        scores, hyps = real(self, model, split)
+        return ({**scores, "bleu": 0.0} if split == "valid" else scores), hyps
+
+    monkeypatch.setattr(src.evaluate.Evaluator, "translate", zero_valid_bleu)
+    summary = train(fast_cfg("trainer.max_steps=6", "trainer.eval_every=2"))
+    valid = {row["step"]: row["valid_loss"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+             if "valid_loss" in row}
+    assert len(valid) == 3 and len(set(valid.values())) == 3
+    best = min(valid, key=valid.get)
+    assert (summary["best_step"], summary["valid_bleu"], summary["valid_loss"]) == (best, 0.0, valid[best])
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["progress"]["step"] == best
+
+
 def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path, shared_cache):
     cfg = fast_cfg("trainer.max_steps=6", "trainer.save_every=1", "trainer.keep_last=2", "trainer.eval_every=6")
     train(cfg)
@@ -679,7 +699,9 @@ def test_an_unreadable_best_checkpoint_is_replaced_not_tested(fast_cfg):
     train(fast_cfg("trainer.max_steps=4", "trainer.eval_every=2"))
     cfg = fast_cfg("trainer.max_steps=6", "trainer.eval_every=2", "trainer.resume=auto")
     best = Path(cfg.paths.output_dir) / "checkpoints" / "best.pt"
-    best.write_bytes(best.read_bytes()[:1000])
+    damaged = best.read_bytes()[:1000]
+    best.unlink()  # best.pt alone: it may be step_00000004.pt under a second name (a hard link), intact here
+    best.write_bytes(damaged)
     summary = train(cfg)
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 4 and summary["best_step"] == 6
     assert load_checkpoint(best)["progress"]["step"] == 6
