@@ -824,9 +824,10 @@ class TrainingRun:
         states = full_state(self.model, self.optimizer, True) if self.strategy.fsdp else None  # every rank takes part
         scores = self.validate(self.evaluation_model(states and states[0])) if world.main else None
         scores = world.broadcast(scores, long_wait=True)
-        # the best validation BLEU; between equal ones the lower loss (a short run's early validations all score 0)
+        # the best validation BLEU; between equal ones the lower NLL (a short run's early validations all score 0,
+        # an overfit batch's all 100), not the label-smoothed loss, which rises as the model grows surer of itself
         if scores["bleu"] > p.best_bleu or (scores["bleu"] == p.best_bleu
-                                            and scores["loss"] < p.valid_scores.get("loss", math.inf)):
+                                            and scores["nll"] < p.valid_scores.get("nll", math.inf)):
             p.best_bleu, p.best_step, p.valid_scores = scores["bleu"], p.step, scores
             self.save(self.best_path, states)
         self.peak.skip_window()
@@ -847,7 +848,7 @@ class TrainingRun:
             log.info("  src: %s\n  ref: %s\n  hyp: %s", valid.src[i], valid.tgt[i], hyps[i])
         log.info("step %d: valid loss %.3f, ppl %.2f, BLEU %.2f, chrF %.2f", p.step, losses["loss"], losses["ppl"],
                  scores["bleu"], scores["chrf"])
-        return {**scores, "loss": losses["loss"]}
+        return {**scores, "nll": losses["nll"]}
 
     def test(self) -> dict:
         """Rank 0: the test set's translation (test.hyp.txt) and its scores."""
@@ -911,7 +912,7 @@ class TrainingRun:
             "best_step": p.best_step,
             "valid_bleu": p.valid_scores.get("bleu"),
             "valid_chrf": p.valid_scores.get("chrf"),
-            "valid_loss": p.valid_scores.get("loss"),
+            "valid_nll": p.valid_scores.get("nll"),
         }
 
     def summary(self, test_scores: dict) -> dict:

@@ -372,23 +372,29 @@ def test_a_step_checkpoint_is_written_once(fast_cfg, monkeypatch, tmp_path, shar
     assert same_state(best, step)
 
 
-def test_between_validations_of_equal_bleu_the_lower_loss_is_the_best(fast_cfg, monkeypatch, tmp_path):
-    """A short run's early validations all score BLEU 0: the best of them is the one of the lowest validation loss
-    (it was the first), and the test set is translated by it."""
-    real = src.evaluate.Evaluator.translate
+def test_between_validations_of_equal_bleu_the_lower_nll_is_the_best(fast_cfg, monkeypatch, tmp_path):
+    """A short run's early validations all score BLEU 0 (an overfit batch's all 100): the best of them is the one
+    of the lowest validation NLL (it was the first), not of the label-smoothed loss, and the test set is
+    translated by it."""
+    translate, loss = src.evaluate.Evaluator.translate, src.evaluate.Evaluator.loss
+    made_up = iter([(1.0, 2.0), (2.0, 1.0), (0.5, 1.5)])  # (loss, NLL) of the validations at steps 2, 4 and 6
 
-    def zero_valid_bleu(self, model, split):
-        scores, hyps = real(self, model, split)
+    def equal_valid_bleu(self, model, split):
+        scores, hyps = translate(self, model, split)
         return ({**scores, "bleu": 0.0} if split == "valid" else scores), hyps
 
-    monkeypatch.setattr(src.evaluate.Evaluator, "translate", zero_valid_bleu)
+    def made_up_loss(self, model):
+        losses = loss(self, model)
+        losses["loss"], losses["nll"] = next(made_up)
+        return losses
+
+    monkeypatch.setattr(src.evaluate.Evaluator, "translate", equal_valid_bleu)
+    monkeypatch.setattr(src.evaluate.Evaluator, "loss", made_up_loss)
     summary = train(fast_cfg("trainer.max_steps=6", "trainer.eval_every=2"))
-    valid = {row["step"]: row["valid_loss"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")
-             if "valid_loss" in row}
-    assert len(valid) == 3 and len(set(valid.values())) == 3
-    best = min(valid, key=valid.get)
-    assert (summary["best_step"], summary["valid_bleu"], summary["valid_loss"]) == (best, 0.0, valid[best])
-    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["progress"]["step"] == best
+    assert [(row["step"], row["valid_nll"]) for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")
+            if "valid_nll" in row] == [(2, 2.0), (4, 1.0), (6, 1.5)]
+    assert (summary["best_step"], summary["valid_bleu"], summary["valid_nll"]) == (4, 0.0, 1.0)
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best.pt")["progress"]["step"] == 4
 
 
 def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast_cfg, tmp_path, shared_cache):
