@@ -232,9 +232,10 @@ def normal_table(rows: int, d_model: int) -> nn.Parameter:
 
 class Embedding(nn.Module):
     """Token embedding scaled by sqrt(d_model), plus sinusoidal positions, then dropout; ``tokens``, a table shared
-    with another Embedding (one vocabulary for source and target)."""
+    with another Embedding (one vocabulary for source and target). The positions' table has ``max_len`` rows (the
+    model's ``max_positions``, as fairseq sizes its table) and grows if a longer input comes."""
 
-    def __init__(self, vocab: int, d_model: int, pad_id: int, dropout: float, max_len: int = 4096,
+    def __init__(self, vocab: int, d_model: int, pad_id: int, dropout: float, max_len: int = 1024,
                  tokens: nn.Embedding | None = None):
         super().__init__()
         if tokens is None:
@@ -262,8 +263,9 @@ class Transformer(nn.Module):
         a = args
         if a.share_vocab and a.src_vocab != a.tgt_vocab:
             raise ValueError("share_vocab needs one vocabulary for source and target")
-        self.src_embed = Embedding(a.src_vocab, a.d_model, a.pad_id, a.dropout)
-        self.tgt_embed = Embedding(a.tgt_vocab, a.d_model, a.pad_id, a.dropout,
+        rows = a.max_positions or 1024  # no limit: a first table, grown as inputs need
+        self.src_embed = Embedding(a.src_vocab, a.d_model, a.pad_id, a.dropout, rows)
+        self.tgt_embed = Embedding(a.tgt_vocab, a.d_model, a.pad_id, a.dropout, rows,
                                    tokens=self.src_embed.tokens if a.share_vocab else None)
         self.encoder = nn.ModuleList(EncoderLayer(a) for _ in range(a.encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(a) for _ in range(a.decoder_layers))

@@ -294,7 +294,7 @@ def test_fsdp_halves_parameter_and_optimizer_memory_per_rank_and_trains_like_ddp
     # position tables) and Adam's state, against DDP's full copies.
     mib = 2**20
     params = ddp["parameters"] * 4 / mib
-    buffers = 2 * 4096 * 128 * 4 / mib  # model=tiny: two position tables of 4,096 x 128 fp32
+    buffers = 2 * 1024 * 128 * 4 / mib  # model=tiny: two position tables of max_positions (1,024) x 128 fp32
     assert ddp["peak_memory_split_mb"]["parameters"] == pytest.approx(params + buffers, abs=0.1)
     assert fsdp["peak_memory_split_mb"]["parameters"] == pytest.approx(params / 2 + buffers, abs=0.1)
     assert ddp["peak_memory_split_mb"]["optimizer"] == pytest.approx(2 * params, abs=0.1)
