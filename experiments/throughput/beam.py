@@ -38,21 +38,6 @@ def setting(text: str) -> tuple[int, float]:
     return beams, alpha
 
 
-class Once(logging.Filter):
-    """Lets each message through once: every setting and repeat translates the same sources, and so would warn
-    the same (words not in the vocabulary) each time."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: set[str] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        new = message not in self.seen
-        self.seen.add(message)
-        return new
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint", nargs="+", help="a checkpoint, or several of one run to average")
@@ -70,7 +55,6 @@ def main() -> None:
             raise UserError(f"{args.input} has {len(sources)} lines but {args.reference} has {len(references)}")
     except UserError as e:
         sys.exit(f"error: {e}")
-    logging.getLogger("src.evaluate").addFilter(Once())
     config = ckpt.get("config") or {}
     decoding = run_decoding(ckpt)  # the run's length caps, as translate.py decodes
     caps = {key: decoding[key] for key in ("max_len_a", "max_len_b")}
@@ -87,6 +71,8 @@ def main() -> None:
                 hyps = translate(model, sources, src_codec, tgt_codec, torch.device("cpu"), args.input,
                                  beam_size=beams, alpha=alpha, **caps)
             times.append(time.perf_counter() - start)
+            # every later call translates the same sources: their warnings (words not in the vocabulary) said once
+            logging.getLogger("src.evaluate").setLevel(logging.ERROR)
         s = score(hyps, references, tgt_codec.lowercase, tgt_lang)  # as the run scored: cased or not
         print(f"| {beams} | {alpha if beams > 1 else '-'} | {s['bleu']:.2f} | {s['chrf']:.2f} | {min(times):.2f} |",
               flush=True)
