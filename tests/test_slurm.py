@@ -300,14 +300,14 @@ def test_a_local_sweep_stopped_starts_no_more_jobs(monkeypatch, when):
         raise Stopped
 
     started, both_running, ended = [], threading.Barrier(2), []
-    real_wait = launchers.wait
+    real_slot_freed = launchers.slot_freed
 
-    def wakes_stopped(futures, **kwargs):  # as a handler run late would: once a job has ended, at the wake-up
-        real_wait(futures, **kwargs)
+    def wakes_stopped(ended):  # as a handler run late would: once a job has ended, at the wake-up
+        real_slot_freed(ended)
         raise Stopped
 
     if when == "late":
-        monkeypatch.setattr(launchers, "wait", wakes_stopped)
+        monkeypatch.setattr(launchers, "slot_freed", wakes_stopped)
 
     def run(slot: str, i: int) -> None:
         started.append(i)
