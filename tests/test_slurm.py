@@ -327,6 +327,35 @@ def test_a_local_sweep_stopped_starts_no_more_jobs(monkeypatch, when):
     assert sorted(started) == sorted(ended) == [0, 1]
 
 
+def test_a_local_sweep_stopped_as_a_slot_starts_leaves_no_job_running(monkeypatch):
+    """Ctrl-C raised in the sweep as ``Thread.start`` returns for a slot's thread, which may by then be running a
+    job: the sweep stops only once every job that started has ended, and leaves no slot's thread. (Started by a
+    pool as the jobs came, such a thread was not yet in the pool's list, and its job went on after the stop: CI
+    failed on the test above this way.)"""
+    import hydra_plugins.fit_transformer_launchers as launchers
+
+    real_start, slot_threads, started, ended = threading.Thread.start, [], [], []
+
+    def start_then_stopped(thread: threading.Thread) -> None:
+        real_start(thread)
+        if thread.name.startswith("job-slot"):
+            slot_threads.append(thread)
+            if len(slot_threads) == 2:
+                time.sleep(0.2)  # a job handed to this thread has begun
+                raise Stopped
+
+    def run(slot: str, i: int) -> None:
+        started.append(i)
+        time.sleep(0.5 * (i + 1))  # job 1 outlasts job 0
+        ended.append(i)
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_stopped)
+    with pytest.raises(Stopped):
+        launchers.run_in_slots(["0", "1"], 4, run)
+    assert sorted(started) == sorted(ended)
+    assert len(slot_threads) == 2 and not any(t.is_alive() for t in slot_threads)
+
+
 @pytest.mark.slow
 def test_a_signalled_submitit_job_checkpoints_is_requeued_and_resumes(tmp_path, shared_cache):
     """The whole path through submitit's local executor (SLURM's requeue works the same way): SIGUSR2 at step 3,
