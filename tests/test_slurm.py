@@ -327,6 +327,25 @@ def test_a_local_sweep_stopped_starts_no_more_jobs(monkeypatch, when):
     assert sorted(started) == sorted(ended) == [0, 1]
 
 
+def test_a_local_sweeps_job_that_raises_stops_the_sweep_once_the_running_jobs_end():
+    """An error out of a job (the launcher's own, around submitit's: a job's failure is its result) is raised by
+    the sweep, after the job still running has ended, and no job starts after it."""
+    from hydra_plugins.fit_transformer_launchers import run_in_slots
+
+    started, ended = [], []
+
+    def run(slot: str, i: int) -> None:
+        started.append(i)
+        if i == 0:
+            raise ValueError("job 0 failed")
+        time.sleep(0.5)
+        ended.append(i)
+
+    with pytest.raises(ValueError, match="job 0 failed"):
+        run_in_slots(["0", "1"], 4, run)
+    assert sorted(started) == [0, 1] and ended == [1]
+
+
 def test_a_local_sweep_stopped_as_a_slot_starts_leaves_no_job_running(monkeypatch):
     """Ctrl-C raised in the sweep as ``Thread.start`` returns for a slot's thread, which may by then be running a
     job: the sweep stops only once every job that started has ended, and leaves no slot's thread. (Started by a
