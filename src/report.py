@@ -4,7 +4,8 @@ Each job directory of the sweep holds ``summary.json`` (written whatever happene
 ``config.yaml`` and Hydra's ``.hydra/overrides.yaml``. The report is a markdown table (strategy, effective
 batch, peak memory by category, tokens/s, steps, validation and test BLEU, status) and a PNG: peak memory against
 throughput, each point labelled with its run and BLEU, and the training loss curves. Failed and out-of-memory jobs
-are rows of their own with the reason; a job killed before writing its summary is shown as such.
+are rows of their own with the reason; a job killed before writing its summary is shown as such. Where the sweep
+ran a setting with several seeds, a second table gives each such setting's BLEU over its seeds (mean, spread).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -317,21 +319,59 @@ def _plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(row) + " |" for row in rows)]) + "\n"
+
+
 def markdown_table(jobs: list[Job]) -> str:
     cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # where the tracker counted
     reserved = any(j.summary.get("peak_reserved_mb") for j in jobs)
     mfu = any(j.summary.get("mfu") for j in jobs)  # runs given trainer.peak_tflops
     head = ["job", "run", "effective batch", "peak memory (MiB)", *cats, *(["CUDA reserved"] if reserved else []),
             "tokens/s", *(["MFU"] if mfu else []), "steps", "valid BLEU", "test BLEU", "status"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for j in jobs:
         s, split = j.summary, j.summary.get("peak_memory_split_mb") or {}
         row = [j.name, _cell(j.label), j.effective_batch, _fmt(s.get("peak_memory_mb")), *(_fmt(split.get(c)) for c in cats),
                *([_fmt(s.get("peak_reserved_mb"))] if reserved else []), _fmt(s.get("tokens_per_s"), 0),
                *([f"{s['mfu']:.1%}" if s.get("mfu") else _fmt(None)] if mfu else []), _fmt(s.get("steps"), 0),
                _fmt(s.get("valid_bleu"), 2), _fmt(s.get("test_bleu"), 2), _cell(_status(j))]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(row)
+    return _markdown(head, rows)
+
+
+def across_seeds(jobs: list[Job]) -> str:
+    """Where the sweep ran a setting with several seeds (``-m memory=none,truncate seed=1,2,3``): a row for each
+    such setting, over its completed runs with a test BLEU: the seeds, test BLEU's mean, sample standard
+    deviation and range, valid BLEU's mean, and the mean peak memory and tokens/s. "" where no setting has two.
+    A BLEU gap between settings within their spread is the seed's, not the setting's."""
+    settings: dict[str, list[tuple[str, Job]]] = {}
+    for j in jobs:
+        seed = next((o.partition("=")[2] for o in j.varying if o.partition("=")[0] == "seed"), None)
+        if seed is None or j.status != "completed" or j.summary.get("test_bleu") is None:
+            continue
+        others = [o for o in j.overrides if o in j.varying and o.partition("=")[0] != "seed"]
+        settings.setdefault(run_name(j.strategy, others), []).append((seed, j))
+
+    def mean(runs: list[tuple[str, Job]], key: str) -> float | None:
+        values = [j.summary[key] for _, j in runs if j.summary.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    head = ["run", "seeds", "test BLEU mean", "sd", "min", "max", "valid BLEU mean", "peak memory (MiB)", "tokens/s"]
+    rows = []
+    for setting, runs in settings.items():
+        if len(runs) < 2:
+            continue
+        test = [j.summary["test_bleu"] for _, j in runs]
+        row = [_cell(setting), ", ".join(seed for seed, _ in runs), _fmt(statistics.fmean(test), 2),
+               _fmt(statistics.stdev(test), 2), _fmt(min(test), 2), _fmt(max(test), 2),
+               _fmt(mean(runs, "valid_bleu"), 2), _fmt(mean(runs, "peak_memory_mb")), _fmt(mean(runs, "tokens_per_s"), 0)]
+        rows.append(row)
+    if not rows:
+        return ""
+    return ("Across seeds (each setting's completed runs; sd: the sample standard deviation; a BLEU gap between "
+            "settings within their spread is the seed's):\n\n" + _markdown(head, rows))
 
 
 def plot(jobs: list[Job], path: Path) -> None:
@@ -428,7 +468,8 @@ def next_step(jobs: list[Job]) -> str:
 
 def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
                  latest_launch: bool = False) -> tuple[Path, Path, str]:
-    """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory)."""
+    """Writes ``report.md`` and ``report.png`` into ``out_dir`` (default: the sweep directory); returns their
+    paths and the report's tables (each job's, and where it ran a setting with several seeds, each setting's)."""
     jobs = load_sweep(sweep_dir, latest_launch)
     out = Path(out_dir) if out_dir is not None else Path(sweep_dir)
     if all(j.earlier_summary for j in jobs) and (out / "report.md").exists():
@@ -437,6 +478,8 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None,
     if any(p.exists() and not p.is_dir() for p in (out, *out.parents)):
         raise DataError(f"--out {out}: not a directory (report.md and report.png go into one)")
     table = markdown_table(jobs)
+    if seeds := across_seeds(jobs):
+        table += "\n" + seeds
     shared = sorted(shared_overrides(jobs))
     counts = Counter("not started" if not j.started else "damaged" if j.damaged else j.status or "no summary"
                      for j in jobs)

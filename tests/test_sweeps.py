@@ -4,6 +4,7 @@ experiment presets reproduce their loss curves."""
 
 import json
 import re
+import shutil
 import signal
 import statistics
 import time
@@ -222,6 +223,40 @@ def test_a_sweep_of_twelve_jobs_is_reported_in_job_order(tmp_path):
     _, _, table = write_report(tmp_path / "sweep")
     rows = [line.strip("| ").split(" | ")[0] for line in table.splitlines() if line.startswith("| ")][1:]
     assert rows == [str(job) for job in range(12)]
+
+
+def test_a_sweep_over_seeds_reports_each_settings_bleu_across_them(tmp_path):
+    """``-m memory=none,truncate seed=1,2,3``: below the jobs' table, a row for each setting over its completed
+    seeds (a failed one left out), with test BLEU's mean, sample standard deviation and range; a setting run
+    with one seed has no row, and a sweep without seeds has no such table."""
+    sweep = tmp_path / "sweep"
+    runs = [("none", 1, 40.0), ("none", 2, 50.0), ("none", 3, 60.0),
+            ("truncate", 1, 57.0), ("truncate", 2, 59.0), ("truncate", 3, None), ("amp", 1, 30.0)]
+    for n, (memory, seed, bleu) in enumerate(runs):
+        d = sweep / str(n)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- memory={memory}\n- seed={seed}\n- model=tiny\n")
+        summary = {"status": "failed", "strategy": memory, "error": "boom"} if bleu is None else {
+            "status": "completed", "strategy": memory, "test_bleu": bleu, "valid_bleu": bleu - 1 - seed,
+            "peak_memory_mb": 100.0 + seed, "tokens_per_s": 1000.0 * seed}
+        (d / "summary.json").write_text(json.dumps(summary))
+    md, _, table = write_report(sweep)
+    assert "Across seeds" in md.read_text() and table in md.read_text()
+    jobs, seeds = table.split("Across seeds")
+    assert len(markdown_rows(jobs)) == len(runs)
+    head, *rows = (line.strip("| ").split(" | ") for line in markdown_rows(seeds))
+    by_run = {row[0]: dict(zip(head, row, strict=True)) for row in rows}
+    assert set(by_run) == {"none", "truncate"}  # amp: one seed; truncate: seed 3 failed
+    assert by_run["none"] == {"run": "none", "seeds": "1, 2, 3", "test BLEU mean": "50.00", "sd": "10.00",
+                              "min": "40.00", "max": "60.00", "valid BLEU mean": "47.00",
+                              "peak memory (MiB)": "102.0", "tokens/s": "2,000"}
+    assert by_run["truncate"]["seeds"] == "1, 2" and by_run["truncate"]["test BLEU mean"] == "58.00"
+    assert by_run["truncate"]["sd"] == f"{statistics.stdev([57.0, 59.0]):.2f}" == "1.41"
+    for n in range(3, len(runs)):
+        shutil.rmtree(sweep / str(n))
+    for n in range(3):  # three settings with a seed each: none to compare across seeds
+        (sweep / str(n) / ".hydra" / "overrides.yaml").write_text(f"- seed={n + 1}\n- trainer.max_steps={n + 5}\n")
+    assert "Across seeds" not in write_report(sweep)[2] and "Across seeds" not in (sweep / "report.md").read_text()
 
 
 def test_a_job_refused_before_its_run_began_is_reported_with_its_logged_error(tmp_path):
