@@ -341,6 +341,14 @@ def markdown_table(jobs: list[Job]) -> str:
     return _markdown(head, rows)
 
 
+def _setting(job: Job) -> tuple[str, str | None]:
+    """The job's run without its seed, and the seed where the sweep varies it (else the run's label, None)."""
+    seed = next((o.partition("=")[2] for o in job.varying if o.partition("=")[0] == "seed"), None)
+    if seed is None:
+        return job.label, None
+    return run_name(job.strategy, [o for o in job.overrides if o in job.varying and o.partition("=")[0] != "seed"]), seed
+
+
 def across_seeds(jobs: list[Job]) -> str:
     """Where the sweep ran a setting with several seeds (``-m memory=none,truncate seed=1,2,3``): a row for each
     such setting, over its completed runs with a test BLEU: the seeds, test BLEU's mean, sample standard
@@ -348,11 +356,9 @@ def across_seeds(jobs: list[Job]) -> str:
     A BLEU gap between settings within their spread is the seed's, not the setting's."""
     settings: dict[str, list[tuple[str, Job]]] = {}
     for j in jobs:
-        seed = next((o.partition("=")[2] for o in j.varying if o.partition("=")[0] == "seed"), None)
-        if seed is None or j.status != "completed" or j.summary.get("test_bleu") is None:
-            continue
-        others = [o for o in j.overrides if o in j.varying and o.partition("=")[0] != "seed"]
-        settings.setdefault(run_name(j.strategy, others), []).append((seed, j))
+        setting, seed = _setting(j)
+        if seed is not None and j.status == "completed" and j.summary.get("test_bleu") is not None:
+            settings.setdefault(setting, []).append((seed, j))
 
     def mean(runs: list[tuple[str, Job]], key: str) -> float | None:
         values = [j.summary[key] for _, j in runs if j.summary.get(key) is not None]
@@ -375,14 +381,18 @@ def across_seeds(jobs: list[Job]) -> str:
 
 
 def plot(jobs: list[Job], path: Path) -> None:
-    """Peak memory against throughput (one labelled point per finished run, BLEU beside it), and loss curves."""
+    """Peak memory against throughput (a point per finished job, labelled with its run and test BLEU; the jobs of
+    a run over several seeds in one colour, with one label: their BLEU's mean and standard deviation), and loss
+    curves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_mem, ax_loss) = plt.subplots(1, 2, figsize=(13, 5.2))
-    color = {j.name: f"C{i % 10}" for i, j in enumerate(jobs)}  # one colour per job in both panels
+    settings = {j.name: _setting(j)[0] for j in jobs}  # a run's seeds share its colour and its one label
+    order = list(dict.fromkeys(settings.values()))
+    color = {j.name: f"C{order.index(settings[j.name]) % 10}" for j in jobs}  # the same in both panels
     # finished runs only: one that stopped early has figures too (what it reached), but not a run's
     done = [j for j in jobs if j.status == "completed" and j.summary.get("tokens_per_s") and j.summary.get("peak_memory_mb")]
     if done:
@@ -390,20 +400,26 @@ def plot(jobs: list[Job], path: Path) -> None:
         y_max = max(j.summary["peak_memory_mb"] for j in done) * 1.2
         ax_mem.set_xlim(0, x_max)
         ax_mem.set_ylim(0, y_max)
+    runs: dict[str, list[Job]] = {}
+    for j in done:
+        runs.setdefault(settings[j.name], []).append(j)
+        ax_mem.scatter(j.summary["tokens_per_s"], j.summary["peak_memory_mb"], s=40, color=color[j.name])
     placed: list[tuple[float, float]] = []  # label positions, as fractions of the axes
-    for j in sorted(done, key=lambda j: j.summary["peak_memory_mb"]):
-        x, y = j.summary["tokens_per_s"], j.summary["peak_memory_mb"]
-        ax_mem.scatter(x, y, s=40, color=color[j.name])
-        bleu = j.summary.get("test_bleu")
-        note = _plain(f"{_short(j.label)}: BLEU {bleu:.2f}" if bleu is not None else _short(j.label))
+    for setting, group in sorted(runs.items(), key=lambda r: statistics.fmean(j.summary["peak_memory_mb"] for j in r[1])):
+        x = statistics.fmean(j.summary["tokens_per_s"] for j in group)  # a run of several seeds: their middle
+        y = statistics.fmean(j.summary["peak_memory_mb"] for j in group)
+        bleu = [b for j in group if (b := j.summary.get("test_bleu")) is not None]
+        name = _short(setting) if len(group) == 1 else f"{_short(setting)} ({len(group)} seeds)"
+        score = (f": BLEU {bleu[0]:.2f}" if len(bleu) == 1 else
+                 f": BLEU {statistics.fmean(bleu):.2f} ± {statistics.stdev(bleu):.2f}" if bleu else "")
         fx, fy = x / x_max, y / y_max
         dy = 0.02
         while any(abs(fx - px) < 0.25 and abs(fy + dy - py) < 0.045 for px, py in placed):
             dy += 0.045  # move the label up until it clears the ones already placed
         placed.append((fx, fy + dy))
         left = fx > 0.55  # a point on the right: its label to its left, inside the panel
-        ax_mem.annotate(note, (x, y), xytext=(x + (-0.015 if left else 0.015) * x_max, y + dy * y_max), fontsize=8,
-                        ha="right" if left else "left",
+        ax_mem.annotate(_plain(name + score), (x, y), xytext=(x + (-0.015 if left else 0.015) * x_max, y + dy * y_max),
+                        fontsize=8, ha="right" if left else "left",
                         arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5"} if dy > 0.03 else None)
     broken = [j for j in jobs if j.status != "completed"]
     unplotted = [j for j in jobs if j.status == "completed" and j not in done]  # e.g. trainer.memory_every=null
