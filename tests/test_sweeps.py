@@ -225,10 +225,16 @@ def test_a_sweep_of_twelve_jobs_is_reported_in_job_order(tmp_path):
     assert rows == [str(job) for job in range(12)]
 
 
-def test_a_sweep_over_seeds_reports_each_settings_bleu_across_them(tmp_path):
+def test_a_sweep_over_seeds_reports_each_settings_bleu_across_them(tmp_path, monkeypatch):
     """``-m memory=none,truncate seed=1,2,3``: below the jobs' table, a row for each setting over its completed
     seeds (a failed one left out), with test BLEU's mean, sample standard deviation and range; a setting run
-    with one seed has no row, and a sweep without seeds has no such table."""
+    with one seed has no row, and a sweep without seeds has no such table. The plot labels each setting once."""
+    from matplotlib.axes import Axes
+
+    labels = []
+    real_annotate = Axes.annotate
+    monkeypatch.setattr(Axes, "annotate", lambda self, text, *a, **k: labels.append(text) or real_annotate(
+        self, text, *a, **k))
     sweep = tmp_path / "sweep"
     runs = [("none", 1, 40.0), ("none", 2, 50.0), ("none", 3, 60.0),
             ("truncate", 1, 57.0), ("truncate", 2, 59.0), ("truncate", 3, None), ("amp", 1, 30.0)]
@@ -252,6 +258,8 @@ def test_a_sweep_over_seeds_reports_each_settings_bleu_across_them(tmp_path):
                               "peak memory (MiB)": "102.0", "tokens/s": "2,000"}
     assert by_run["truncate"]["seeds"] == "1, 2" and by_run["truncate"]["test BLEU mean"] == "58.00"
     assert by_run["truncate"]["sd"] == f"{statistics.stdev([57.0, 59.0]):.2f}" == "1.41"
+    assert sorted(labels) == ["amp: BLEU 30.00", "none (3 seeds): BLEU 50.00 ± 10.00",
+                              "truncate (2 seeds): BLEU 58.00 ± 1.41"]
     for n in range(3, len(runs)):
         shutil.rmtree(sweep / str(n))
     for n in range(3):  # three settings with a seed each: none to compare across seeds
