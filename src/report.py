@@ -382,8 +382,8 @@ def across_seeds(jobs: list[Job]) -> str:
 
 def plot(jobs: list[Job], path: Path) -> None:
     """Peak memory against throughput (a point per finished job, labelled with its run and test BLEU; the jobs of
-    a run over several seeds in one colour, with one label: their BLEU's mean and standard deviation), and loss
-    curves."""
+    a run over several seeds, or of one run repeated, in one colour with one label: their BLEU's mean and
+    standard deviation), and loss curves."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -409,7 +409,7 @@ def plot(jobs: list[Job], path: Path) -> None:
         x = statistics.fmean(j.summary["tokens_per_s"] for j in group)  # a run of several seeds: their middle
         y = statistics.fmean(j.summary["peak_memory_mb"] for j in group)
         bleu = [b for j in group if (b := j.summary.get("test_bleu")) is not None]
-        name = _short(setting) if len(group) == 1 else f"{_short(setting)} ({len(group)} seeds)"
+        name = _short(setting) if len(group) == 1 else f"{_short(setting)} ({len(group)} runs)"
         score = (f": BLEU {bleu[0]:.2f}" if len(bleu) == 1 else
                  f": BLEU {statistics.fmean(bleu):.2f} ± {statistics.stdev(bleu):.2f}" if bleu else "")
         fx, fy = x / x_max, y / y_max

@@ -258,8 +258,8 @@ def test_a_sweep_over_seeds_reports_each_settings_bleu_across_them(tmp_path, mon
                               "peak memory (MiB)": "102.0", "tokens/s": "2,000"}
     assert by_run["truncate"]["seeds"] == "1, 2" and by_run["truncate"]["test BLEU mean"] == "58.00"
     assert by_run["truncate"]["sd"] == f"{statistics.stdev([57.0, 59.0]):.2f}" == "1.41"
-    assert sorted(labels) == ["amp: BLEU 30.00", "none (3 seeds): BLEU 50.00 ± 10.00",
-                              "truncate (2 seeds): BLEU 58.00 ± 1.41"]
+    assert sorted(labels) == ["amp: BLEU 30.00", "none (3 runs): BLEU 50.00 ± 10.00",
+                              "truncate (2 runs): BLEU 58.00 ± 1.41"]
     for n in range(3, len(runs)):
         shutil.rmtree(sweep / str(n))
     for n in range(3):  # three settings with a seed each: none to compare across seeds
