@@ -169,8 +169,9 @@ def run_in_slots(slots: Sequence[S], jobs: int, run: Callable[[S, int], T]) -> l
     try:
         for n, slot in enumerate(slots):
             inbox: queue.SimpleQueue = queue.SimpleQueue()
-            threads.append((threading.Thread(target=slot_thread, args=(slot, inbox), name=f"job-slot-{n}"), inbox))
-            threads[-1][0].start()
+            thread = threading.Thread(target=slot_thread, args=(slot, inbox), name=f"job-slot-{n}")
+            threads.append((thread, inbox))  # before it starts: a stop raised in start() still ends it
+            thread.start()
         free = [inbox for _, inbox in threads]
         for i in range(jobs):
             if not free:
