@@ -55,6 +55,28 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
+# The slow marker: a test that takes about 3 s or more on 2 cores (setup and call, in the suite's own run) is marked
+# @pytest.mark.slow, so that `-m "not slow"` is the quick run. The summary lists the unmarked tests that took more
+# than UNMARKED_SLOW_S (above 3 s, for the hour's speed), to be marked or made faster.
+UNMARKED_SLOW_S = 5.0
+_unmarked_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:  # in the controller too: xdist passes each worker's reports on
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _unmarked_seconds[report.nodeid] = _unmarked_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller sums the workers' reports
+    over = sorted(((s, n) for n, s in _unmarked_seconds.items() if s > UNMARKED_SLOW_S), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over {UNMARKED_SLOW_S:g} s not marked slow (mark them: tests/conftest.py)")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+
+
 def compose_config(*overrides: str, run_dir: Path | None = None, cache_dir: Path | None = None):
     """The config ``train.py`` would run with these overrides (Hydra's compose API; no Hydra run dir)."""
     extra = []

@@ -409,6 +409,7 @@ def test_bom_and_crlf_are_read_as_plain_text(tmp_path, caplog):
     assert "carriage return" not in caplog.text.lower() and "\r" not in caplog.text
 
 
+@pytest.mark.slow
 def test_a_test_file_with_an_empty_line_is_translated_and_scored_whole(tmp_path, capsys):
     """data=files: the run's test BLEU covers every line of the test files, an empty or blank source line included
     (its pair was skipped): the run writes and scores the translations translate.py --reference writes and scores,
@@ -501,6 +502,7 @@ def test_a_gpu_where_there_is_none(fast_cfg):
         train(fast_cfg("trainer.device=cuda"))
 
 
+@pytest.mark.slow
 def test_train_py_shows_a_line_for_each_problem_and_no_traceback(tmp_path):
     proc = run_cli("train.py", "model.dmodel=5", "seed=abc")
     assert proc.returncode == 1

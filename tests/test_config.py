@@ -170,6 +170,7 @@ def test_a_model_file_of_ones_own_with_a_typo_is_named_before_the_data(tmp_path,
         memory_strategy({"amp": "bf16", "chekpoint": True})
 
 
+@pytest.mark.slow
 def test_options_of_ones_own_in_hydra_searchpath_are_checked_as_conf_s_are(tmp_path):
     """hydra.searchpath=[file:///my/conf]: its options compose in the command line's check (model=medium was a
     MissingConfigException traceback, the check composing conf/ alone), and a typo in its file names that file."""
@@ -270,6 +271,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_documented_command_composes():
     """What the docs tell users to type composes: every key, option and value of each job (each job of a sweep).
     A renamed key or option fails here, not in a reader's terminal."""

@@ -498,6 +498,7 @@ def _rank_waiting_for_the_first(rank: int, port: int, out: Path) -> None:
     (out / f"rank{rank}").write_text("waited")
 
 
+@pytest.mark.slow
 def test_under_torchrun_the_other_ranks_wait_for_the_first_past_the_process_groups_timeout(tmp_path):
     """Tokenizing a WMT-sized corpus on each machine's first rank takes longer than the process group's 30
     minutes: the other ranks' barrier timed out ("Timed out waiting ... for recv") and torchrun stopped the run."""

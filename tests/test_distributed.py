@@ -209,6 +209,7 @@ def signalled_run(tmp_path_factory, shared_cache) -> tuple[subprocess.CompletedP
     return proc, tmp / "run"
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_both_after_the_same_step(signalled_run, tmp_path, shared_cache):
     """SIGTERM to rank 1 alone (a preempted node): both ranks stop after step 3, rank 0 writes that step's
     checkpoint and an interrupted summary, and the run resumed with trainer.resume=auto completes."""
@@ -427,6 +428,7 @@ def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_l
     assert tokens[0] == tokens[1]  # the repeated micro-batch is not counted
 
 
+@pytest.mark.slow
 def test_the_first_rank_tokenizes_and_the_other_loads_its_cache(worker_cases):
     """Under torchrun, rank 0 reads and tokenizes the corpus while rank 1 waits, then rank 1 loads the cache:
     once per machine, not once per GPU at the same time."""

@@ -93,6 +93,7 @@ def test_kernels_that_cannot_run_the_models_attention_are_refused_at_the_start()
         check_attention(["flash"], without, cpu, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_the_planner_plans_what_the_chosen_kernel_keeps():
     """Math keeps the attention weights for backward, the fused kernels do not. Planned for the CPU with [math] and
     without dropout, the estimate is the real step under [math], and larger than with PyTorch's choice (flash) by

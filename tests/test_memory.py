@@ -42,6 +42,7 @@ def _profiled_peak(run) -> int:
     return peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["tiny xlmr amp+chunked_ce", "tiny xlmr chunked_ce", "small spacy accum+checkpoint",
                                   "base spacy none"])
 def test_the_trackers_step_allocates_what_the_step_without_it_does(case):
@@ -238,6 +239,7 @@ def test_peak_is_split_into_categories_that_add_up():
     assert all(t.untyped_storage()._cdata in tracker._seen for t in inputs)
 
 
+@pytest.mark.slow
 def test_ledger_is_logged_on_sampled_steps_and_adds_up(fast_cfg):
     """trainer.memory_every=3: steps 1 and 4 are counted, and on the CPU every step larger than those counted
     before in some dimension of its micro-batches; their rows split the step's peak by category and give the

@@ -31,6 +31,7 @@ from .conftest import FAST, compose_config
 from .helpers import read_jsonl, read_wandb_run, run_cli
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,dims,vocab,strategy,shape", VALIDATION_CASES, ids=[c[0] for c in VALIDATION_CASES])
 def test_planner_matches_a_real_step_within_10_percent(name, dims, vocab, strategy, shape):
     """Within 10% of what the step itself adds above the parameters and Adam's state: a stricter check than 10% of
@@ -106,6 +107,7 @@ def test_planner_for_model_base_takes_seconds():
     assert split["logits"] + split["backward"] > split["activations"]
 
 
+@pytest.mark.slow
 def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cpu_shows():
     # With dropout on the attention weights the CPU attends with matrix products and keeps the weights; CUDA's fused
     # kernels keep what the CPU's fused kernel keeps when attention has no dropout. That kernel's real step is
@@ -121,6 +123,7 @@ def test_planned_for_cuda_attention_keeps_no_weights_as_a_fused_kernel_on_the_cp
         assert as_cpu.peak_bytes > 1.10 * fused_real, (strategy.label, as_cpu.peak_mb, fused_real)
 
 
+@pytest.mark.slow
 def test_the_plan_counts_the_work_a_real_step_does_recomputation_included():
     """Estimate.flops, counted on the planned step's fake tensors (flops.FlopCount), equals the same count of a
     real CPU step of the shape, and, where attention runs as matrix products (attention dropout, planned as on the
@@ -175,6 +178,7 @@ def test_worst_case_shapes_follow_the_batching_rules():
     assert time.perf_counter() - started < 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src_lens,tgt_lens", [([500] + [499] * 10, [500] + [499] * 10),  # the budget's rounding
                                                ([100] + [19] * 200, [20] + [19] * 200),  # one long source
                                                ([500] + [332] * 3, [500] + [332] * 3)],  # 3 pairs: 2 + 1
@@ -201,6 +205,7 @@ def test_a_token_budgets_plan_covers_every_batch_it_makes(src_lens, tgt_lens):
     assert estimate_step(args, strategy, worst).peak_bytes <= planned.peak_bytes, (worst, planned.shape)
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_split_and_the_verdict(capsys):
     """plan.py's main, in this process (its command line runs in the next test)."""
     import plan
@@ -231,6 +236,7 @@ def test_plan_command_prints_the_split_and_the_verdict(capsys):
     assert compute[0] > 1.3 and compute[1] == 1.0, compute
 
 
+@pytest.mark.slow
 def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
     """What the jobs share is said once; what a sweep varies (the card, the worst-case lengths) each row says."""
     import plan
@@ -333,6 +339,7 @@ def test_memory_auto_trains_in_fp16_on_a_gpu_that_emulates_bf16(monkeypatch, dev
     assert chosen == [amp]
 
 
+@pytest.mark.slow
 def test_plan_command_bad_override_is_one_line():
     proc = run_cli("plan.py", "memory.accum_steps=0", "plan.src_len=10", "plan.tgt_len=10", "plan.src_vocab=50",
                    "plan.tgt_vocab=50")
@@ -409,6 +416,7 @@ def test_a_plan_sweep_job_that_cannot_be_planned_leaves_the_others(capsys):
         "error: memory=auto", "error: memory=[auto,amp]"]
 
 
+@pytest.mark.slow
 def test_plan_sweeps_what_train_py_sweeps_and_names_a_missing_setting(capsys):
     """plan.py -m plans the jobs train.py -m runs: a preset's own sweep (experiment=memory_sweep's eight jobs; it
     planned one) and a glob over a group's options (a traceback: "ConfigLoader is not set"). A required setting
@@ -575,6 +583,7 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
         planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0, fsdp=True), 40, 30, 24, 39 * MiB, world_size=2)
 
 
+@pytest.mark.slow
 def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
     from src.errors import ConfigError
 
@@ -707,6 +716,7 @@ def test_plan_downloads_nothing(tmp_path):
     assert not (tmp_path / "multi30k").exists() or not any((tmp_path / "multi30k").iterdir())
 
 
+@pytest.mark.slow
 def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
     """memory=auto with memory=fsdp plans one rank's share for the world size it is given (training: the torchrun
     world; plan.py: plan.world_size): a budget that one of 4 ranks fits as configured needs accumulation on 2."""
@@ -723,6 +733,7 @@ def test_auto_with_fsdp_plans_for_the_ranks_it_runs_on():
     assert tried[0]["estimate_mb"] == round(two / planner.MiB, 1) and chosen.accum_steps > 1 and est.peak_bytes <= four
 
 
+@pytest.mark.slow
 def test_one_rank_under_ddp_is_planned_with_ddps_gradient_buckets(fast_cfg):
     """With more than one rank and no FSDP, each rank also holds DDP's gradient buckets (one fp32 copy of the
     gradients): plan.py with plan.world_size and memory=auto under torchrun plan them; one process does not."""

@@ -76,6 +76,7 @@ def test_a_killed_run_resumes_as_if_nothing_happened(tmp_path, shared_cache):
         assert summary[key] == first[key], key
 
 
+@pytest.mark.slow
 def test_a_resumed_runs_memory_peaks_are_the_uninterrupted_runs_to_the_byte(tmp_path, shared_cache):
     """Stopped by SIGTERM after step 8 and resumed, the run's peak falls on step 9, the first after the restart:
     its bytes, as the last checkpoint carries them, are those of the run never stopped. The step before's
@@ -94,6 +95,7 @@ def test_a_resumed_runs_memory_peaks_are_the_uninterrupted_runs_to_the_byte(tmp_
     assert memory[1]["run_peak"] == memory[0]["run_peak"] and memory[1] == memory[0]
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_the_run_never_stopped(tmp_path, shared_cache):
     """A stop writes a checkpoint at whatever step the signal came (9, between the checkpoints every 2 steps): it
     counted as one of the run's step checkpoints, so pruning removed step 6 for it and average_last=3 tested steps
@@ -115,6 +117,7 @@ def test_a_stopped_and_resumed_run_keeps_and_averages_the_checkpoints_of_the_run
     assert (stopped / "test.hyp.txt").read_text() == (straight / "test.hyp.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_run_logs_the_uninterrupted_runs_rows(tmp_path, shared_cache):
     """A stop between log lines (after step 7 of windows of 5 steps) logged the open window as a row of its own
     (step 7), and the resumed run's next row held steps 8-10 alone: another loss curve. The stop's checkpoint
@@ -178,6 +181,7 @@ def test_a_finished_run_resumed_keeps_its_figures(fast_cfg):
         assert again[key] == first[key], key
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_them(fast_cfg, tmp_path, shared_cache,
                                                                                    caplog):
     """The student out of memory resumes with memory=accum and a lower peak learning rate: the steps after the
@@ -269,6 +273,7 @@ def test_resume_auto_passes_over_checkpoints_that_load_but_cannot_be_resumed(fas
     assert summary["status"] == "completed" and summary["steps"] == 8 and math.isfinite(summary["test_bleu"])
 
 
+@pytest.mark.slow
 def test_a_resumed_attempt_removes_the_earlier_attempts_summary_when_it_starts(tmp_path, shared_cache):
     """A resumed attempt killed outright (SIGKILL: no summary of its own) left the earlier attempt's summary.json
     ("completed" at step 6) and test.hyp.txt beside checkpoints and metrics of later steps."""
@@ -417,6 +422,7 @@ def test_only_the_last_checkpoints_are_kept_and_ckpt_path_resumes_elsewhere(fast
         train(fast_cfg("ckpt_path=/nonexistent.pt"))
 
 
+@pytest.mark.slow
 def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_path, shared_cache):
     """trainer.resume=auto in the run's own directory (a requeued job) logs to the same W&B run: offline, both
     attempts' run files carry one id, the second from the step after the checkpoint. A run that starts from
@@ -438,6 +444,7 @@ def test_a_run_resumed_in_its_directory_continues_its_wandb_run(fast_cfg, tmp_pa
     assert (tmp_path / "other" / "wandb_run_id").read_text().strip() != run_id
 
 
+@pytest.mark.slow
 def test_a_fresh_start_does_not_mix_with_an_earlier_runs_checkpoints(fast_cfg, tmp_path, caplog, shared_cache):
     """Without trainer.resume, a directory holding step checkpoints stops the run before anything is written. With
     resume=auto and none of them readable, or with resume=never, the run starts from step 0: the earlier run's
@@ -545,6 +552,7 @@ def files_of(run: Path) -> dict[str, bytes]:
     return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*")) if f.is_file()}
 
 
+@pytest.mark.slow
 def test_a_vocabulary_of_the_same_size_with_other_words_is_refused(fast_cfg):
     """Other data (data.seed=2) under a vocabulary cap: the sizes match, so the weights would load and train on
     with every embedding standing for another word (and the tokenizer files of the run would be rewritten)."""
@@ -559,6 +567,7 @@ def test_a_vocabulary_of_the_same_size_with_other_words_is_refused(fast_cfg):
     assert again["resumed_from"]["step"] == 2  # the same vocabulary, built again from the same data
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_settings_are_named(fast_cfg, caplog):
     """Resuming with another model size, or with data whose vocabularies differ, stops before anything is loaded
     (load_state_dict's page of size mismatches; model.n_heads would load and compute something else), and leaves
@@ -592,6 +601,7 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line_and_other_data_set
         "run would have trained"]
 
 
+@pytest.mark.slow
 def test_resumed_mid_epoch_with_another_batch_size_the_epoch_still_trains_each_pair_once(fast_cfg, monkeypatch):
     """Stopped 2 batches of 16 into an epoch, resumed with batches of 8: the epoch's batches of 8 go on without
     the 32 pairs already trained (skipping the first 2 batches of the new order trained some pairs twice and
@@ -849,6 +859,7 @@ def test_a_second_process_in_a_live_runs_directory_is_refused_and_writes_nothing
     assert train(cfg)["status"] == "completed"
 
 
+@pytest.mark.slow
 def test_jobs_that_miss_the_encoded_corpus_cache_together_tokenize_once(tmp_path):
     """A sweep's jobs started at once on a cluster: the first holds the cache file's lock while it tokenizes and
     writes, and a job that missed the cache meanwhile waits, then loads that file rather than tokenizing again. A
@@ -992,6 +1003,7 @@ def test_the_best_checkpoint_is_the_validation_with_the_highest_bleu(fast_cfg, t
     assert best["progress"]["step"] == 6 and best["progress"]["best_bleu"] == 30.0
 
 
+@pytest.mark.slow
 def test_a_resumed_fp16_run_continues_with_the_checkpoints_loss_scale(fast_cfg, tmp_path, monkeypatch):
     """The GradScaler's scale (and its growth tracker) is part of the state a run resumes: started again at 2^16,
     a run whose scale had backed off to 2^10 would skip steps to overflow again."""

@@ -436,6 +436,7 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache
     assert statuses == ["failed", "completed"]
 
 
+@pytest.mark.slow
 def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_another(tmp_path, shared_cache):
     """memory=none,amp relaunched with trainer.resume=auto as memory=amp,none: job 0 (none's run) resumed as amp,
     with a warning, and its summary, report row and W&B run gave none's peak and tokens/s under the label amp.
@@ -512,6 +513,7 @@ def test_memory_sweep_preset_sweeps_strategies_at_one_effective_batch(tmp_path):
     assert cfg.data.batch_size == 64 and cfg.data.max_tokens is None
 
 
+@pytest.mark.slow
 def test_a_preset_reproduces_its_loss_curve(tmp_path, shared_cache):
     """Same preset, same seed: the same loss curve, exactly; another seed gives another curve."""
 

@@ -280,6 +280,7 @@ def test_strategies_compose_in_one_run(fast_cfg):
     assert cut["pairs_affected"] > 0 and 0 < cut["tokens_removed_share"] < 1
 
 
+@pytest.mark.slow
 def test_xlmr_tokenizer_run(fast_cfg, xlmr_dir):
     from src.tokenizers import HFCodec
 
@@ -302,6 +303,7 @@ def test_out_of_memory_is_recorded_as_such(fast_cfg, monkeypatch):
     assert summary["tokens_per_s"] is None and summary["model_tflops"] is None
 
 
+@pytest.mark.slow
 def test_train_py_gives_up_on_out_of_memory_in_one_message(tmp_path, shared_cache):
     """After its back-offs a run fails with one message (the sizes tried, its memory snapshot), no traceback."""
     proc = run_cli("train.py", *FAST, "fault.kind=oom", "fault.at_step=3", "fault.times=10", f"hydra.run.dir={tmp_path}",
@@ -336,6 +338,7 @@ def test_translate_py_names_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
     assert err.startswith(f"error: {cut}: not a readable checkpoint (") and "text file" not in err
 
 
+@pytest.mark.slow
 def test_translate_py_and_ckpt_path_say_in_one_line_what_is_wrong_with_their_files(fast_cfg, tmp_path, capsys,
                                                                                    monkeypatch, caplog):
     """A bare state_dict, another run's tokenizer, an output path that is a folder, CUDA where there is none: one
@@ -454,6 +457,7 @@ def test_training_learns_to_translate(fast_cfg):
     assert trained["test_bleu"] > 25, trained
 
 
+@pytest.mark.slow
 def test_debug_profile_traces_the_chosen_steps(fast_cfg):
     """debug=profile: steps 3-4 of a 5-step run are traced (step 2 warms the profiler up); the trace opens as
     JSON with the steps' matrix products and the operator table names the steps, also in a resumed run."""
@@ -498,6 +502,7 @@ def test_debug_fdr_runs_every_stage_once_on_a_few_pairs(preset_cfg):
     assert scores(summary).endswith(") on the first 16 pairs (trainer.limit_eval)")  # train.py's closing line
 
 
+@pytest.mark.slow
 def test_debug_overfit_memorizes_one_batch(preset_cfg):
     """debug=overfit: every step trains on the same batch (each window of 25 steps sees the same target tokens),
     and validation and test score those pairs, which the model reproduces. 100 steps of the same run without
@@ -512,6 +517,7 @@ def test_debug_overfit_memorizes_one_batch(preset_cfg):
     assert scores(summary) == "BLEU 100.00 on the 16 training pairs it overfit (trainer.overfit_batches)"
 
 
+@pytest.mark.slow
 def test_debug_overfit_catches_a_decoder_that_sees_the_future(preset_cfg, monkeypatch):
     """The kind of bug debug=overfit is for: without the causal mask in training the decoder can read the next
     target token. Its training loss falls as a correct model's does (nll 0.32 after 100 steps; correct: 0.33), so
@@ -565,6 +571,7 @@ def test_bad_data_stops_with_one_clear_line(tmp_path, files, message):
     assert all(m in line for m, line in zip(messages, summary["error"].splitlines()))
 
 
+@pytest.mark.slow
 def test_with_hydra_job_chdir_relative_paths_are_the_launch_directorys(tmp_path):
     """hydra.job.chdir=true runs the job in its run directory: data.train_prefix=data/train was "file not found"
     there, and paths.cache_dir=cache a cache of each run's own (every job tokenized again). They are read from
@@ -869,6 +876,7 @@ def test_a_config_composed_in_python_is_told_its_run_directory_and_an_oom_leaves
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "oom"
 
 
+@pytest.mark.slow
 def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg, caplog):
     """19 batches an epoch: steps 1-19 are epoch 0, 20-38 epoch 1. The window that ends the run is logged with
     its own epoch, not the next one the loop moved to. Without eval_every or save_every, no checkpoint is written
@@ -886,6 +894,7 @@ def test_a_window_is_logged_with_the_epoch_of_its_last_step(fast_cfg, caplog):
     assert len([r for r in caplog.records if "save_every" in r.message]) == 1
 
 
+@pytest.mark.slow
 def test_the_progress_bar_is_redrawn_every_30_s_into_a_file(fast_cfg, capfd, monkeypatch):
     """Where stderr is not a terminal (a cluster job's log file, W&B's capture of the console), the bar is redrawn
     every 30 s rather than ten times a second, which would add tens of MB to a day-long run's log (58 redraws for

@@ -421,6 +421,7 @@ def test_compiled_step_gives_the_eager_update(one_batch_update):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_compiled_step_with_dropout_is_one_graph(monkeypatch):
     """On the CPU the model's dropout draws its coins with ``random_``, which Dynamo does not trace: compiled, the
     step broke into a graph at every dropout (11 graphs for a 1+1-layer model). Compiling, it is nn.Dropout's.
@@ -437,6 +438,7 @@ def test_a_compiled_step_with_dropout_is_one_graph(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_compiled_step_with_the_chunked_loss_gives_the_eager_update(one_batch_update, monkeypatch):
     """trainer.compile with memory=chunked_ce: the layers compiled, the checkpointed chunks run eagerly (traced,
     they stopped the run at step 1 with an AssertionError from Dynamo). Dynamo's own backend, as below."""
@@ -453,6 +455,7 @@ def test_a_compiled_step_with_the_chunked_loss_gives_the_eager_update(one_batch_
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_a_sweeps_next_job_compiles_its_own_graph(one_batch_update, monkeypatch):
     """Two jobs in one process, as in a sweep: the second compiles its own graph and does not run the first job's,
     which Dynamo's guards would accept for a model of the same structure. Both jobs use Dynamo's own backend
