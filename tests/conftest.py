@@ -72,7 +72,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return  # the controller sums the workers' reports
     over = sorted(((s, n) for n, s in _unmarked_seconds.items() if s > UNMARKED_SLOW_S), reverse=True)
     if over:
-        terminalreporter.section(f"tests over {UNMARKED_SLOW_S:g} s not marked slow (mark them: tests/conftest.py)")
+        terminalreporter.section(f"tests over {UNMARKED_SLOW_S:g} s not marked slow (@pytest.mark.slow; the rule: tests/conftest.py)")
         for seconds, nodeid in over:
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
 
