@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from src import callbacks as sweep
-from src.config_check import check_command_line, check_launcher, preset_sweep_note
+from src.config_check import check_command_line, check_launcher, preset_sweep_note, with_project_hydra
 from src.errors import UserError, error_lines
 
 log = logging.getLogger("train")
@@ -127,7 +127,7 @@ if __name__ == "__main__":
     except UserError as e:
         print(error_lines(e), file=sys.stderr)
         sys.exit(1)
-    sys.argv[1:] = quiet_rank(sys.argv[1:])
+    sys.argv[1:] = quiet_rank(with_project_hydra(sys.argv[1:]))  # (a saved config run again: conf/hydra's settings)
     main()
     if failed := sweep.outcome.failed:  # a multirun: read from its jobs' summaries, whichever launcher ran them
         print(f"{len(failed)} sweep job(s) did not complete:", *failed, sep="\n  ", file=sys.stderr)

@@ -187,6 +187,25 @@ def _config_dir_as_searchpath(argv: list[str]) -> list[str]:
     return out
 
 
+PROJECT_HYDRA = "+hydra=default"  # conf/hydra/default.yaml, chosen by with_project_hydra (not recorded as an override)
+
+
+def with_project_hydra(argv: list[str]) -> list[str]:
+    """``argv`` for Hydra. Where it names a primary config without a defaults list (a run's saved
+    ``.hydra/config.yaml``, run again), Hydra's own settings would apply: the run in ``outputs/<date>/<time>``, a
+    sweep in ``multirun/`` without its report or exit status. So conf/ is searched too and its
+    ``hydra/default.yaml`` chosen, as every run of conf/train.yaml has it. Left as it is beside a
+    ``--config-dir`` of the command line's (Hydra takes one) or a ``hydra`` option of its own."""
+    _, (folder, name) = _primary_config(argv)
+    if ([folder, name] == [CONF, "train"] or any(a.split("=")[0] in ("--config-dir", "-cd") for a in argv)
+            or any(a.lstrip("+").startswith("hydra=") for a in argv)
+            or "defaults" in OmegaConf.load(folder / f"{name}.yaml")):
+        return argv
+    # beside the other overrides: Hydra's parser takes them as one run of words (none after a flag that follows them)
+    at = next((i for i, a in enumerate(argv) if "=" in a and not a.startswith("-")), len(argv))
+    return [f"--config-dir={CONF}", *argv[:at], PROJECT_HYDRA, *argv[at:]]
+
+
 def _hydra_command(argv: list[str]) -> bool:
     return any(a.split("=")[0] in HYDRA_FLAGS for a in argv)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from src.config_check import check_command_line
+from src.config_check import check_command_line, with_project_hydra
 from src.errors import ConfigError
 from src.memory import memory_strategy
 
@@ -239,6 +239,29 @@ def test_overrides_of_a_primary_config_given_by_config_path_and_name_are_checked
     with pytest.raises(ConfigError, match=r"^model=bse: no such option; model is one of base, big, small, tiny$"):
         check_command_line(["-cn", "train", "model=bse"])  # conf/'s own, named
     check_command_line(["model=base"])  # and the next check composes conf/train.yaml again
+
+
+def test_a_saved_config_run_again_is_given_conf_hydra_settings(tmp_path):
+    """A run's .hydra/config.yaml has no defaults list: Hydra's own settings would put the run in
+    outputs/<date>/<time> and a sweep without its report (tests/test_sweeps.py runs it). conf/ is searched too and
+    its hydra/default.yaml chosen, beside the other overrides, which Hydra's parser takes as one run of words."""
+    saved = tmp_path / ".hydra"
+    saved.mkdir()
+    OmegaConf.save(compose_config(run_dir=tmp_path), saved / "config.yaml")
+    primary = ["--config-path", str(saved), "--config-name", "config"]
+    assert with_project_hydra([*primary, "seed=1", "-m"]) == [f"--config-dir={CONF}", *primary, "+hydra=default",
+                                                              "seed=1", "-m"]
+    assert with_project_hydra([f"-cp={saved}", "-cn=config"]) == [f"--config-dir={CONF}", f"-cp={saved}",
+                                                                  "-cn=config", "+hydra=default"]
+    assert with_project_hydra([*primary, "--cfg", "hydra"])[-1] == "+hydra=default"  # (--cfg's word, no option)
+    # torchrun's other ranks log as conf/hydra/job_logging/other_ranks.yaml says, which Hydra could not find
+    proc = run_cli("train.py", *primary, "--cfg", "hydra", env_extra={"RANK": "1"})
+    assert proc.returncode == 0 and "[rank ${oc.env:RANK,?}]" in proc.stdout, proc.stderr[-2000:]
+    (saved / "own.yaml").write_text("defaults:\n  - _self_\nseed: 1\n")
+    for argv in (["seed=1"],  # conf/train.yaml
+                 [*primary, "-cd", str(tmp_path)],  # a folder of one's own (Hydra takes one --config-dir)
+                 ["-cp", str(saved), "-cn", "own"]):  # a primary config with a defaults list chooses its own
+        assert with_project_hydra(argv) == argv
 
 
 def test_a_model_setting_that_a_model_file_of_ones_own_leaves_out_can_be_added():

@@ -20,7 +20,7 @@ from src.report import load_sweep, write_report
 from src.run import train
 
 from .conftest import FAST, compose_config
-from .helpers import read_jsonl, read_wandb_run, run_cli
+from .helpers import ROOT, read_jsonl, read_wandb_run, run_cli
 
 SENTINEL = "sentinel-api-key-0123456789abcdef0123456789abcdef"
 
@@ -550,7 +550,9 @@ def assert_same_run(a: Path, b: Path) -> None:
 def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tmp_path, shared_cache):
     """Reproducible as labs rerun: a sweep's second job, which runs in the process after the first (memory=accum,
     with other batches, threads, autocast state), equals the same settings run alone, to the bit; and so does the
-    run started again from its .hydra/config.yaml (the README's recipe)."""
+    run started again from its .hydra/config.yaml (the README's recipe), in outputs/runs/ as any run (Hydra's own
+    settings put it in outputs/<date>/<time>), and a sweep of it, in outputs/multirun/ with its report (which
+    Hydra's own settings left out)."""
     common = [*FAST, "trainer.threads=1", f"paths.cache_dir={shared_cache}"]
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "memory=accum,none", *common, f"hydra.sweep.dir={sweep}")
@@ -561,16 +563,25 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     assert json.loads((sweep / "1" / "summary.json").read_text())["strategy"] == "none"
     assert_same_run(sweep / "1", alone)
 
-    rerun = tmp_path / "rerun"
-    proc = run_cli("train.py", "--config-path", str(alone / ".hydra"), "--config-name", "config",
-                   f"hydra.run.dir={rerun}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = run_cli(str(ROOT / "train.py"), "--config-path", str(alone / ".hydra"), "--config-name", "config",
+                   cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (rerun,) = (elsewhere / "outputs" / "runs").glob("*/*")
     assert_same_run(rerun, alone)
+    assert json.loads((rerun / "summary.json").read_text())["overrides"] == []  # (not train.py's +hydra=default)
+    proc = run_cli(str(ROOT / "train.py"), "-m", "--config-path", str(alone / ".hydra"), "--config-name", "config",
+                   "trainer.threads=1", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (swept,) = (elsewhere / "outputs" / "multirun").glob("*/*")
+    assert (swept / "report.md").is_file() and "| 0 | none |" in (swept / "report.md").read_text()
+    assert_same_run(swept / "0", alone)
 
     # the run's own config.yaml fixes its directory: said, and refused before anything of the run is touched
     before = {f: f.stat().st_mtime_ns for f in (alone / "checkpoints").iterdir()}
     proc = run_cli("train.py", "--config-path", str(alone), "--config-name", "config", f"hydra.run.dir={tmp_path / 'x'}")
-    said = proc.stdout + proc.stderr  # (Hydra's own logging, not conf/hydra's: the config chosen is not conf/'s)
+    said = proc.stdout + proc.stderr
     assert proc.returncode == 1
     assert f"this run writes into paths.output_dir={alone}, not into Hydra's run directory {tmp_path / 'x'}" in said
     assert "holds an earlier run's checkpoints" in said
