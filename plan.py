@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from hydra import compose, initialize_config_dir
 
-from src.config_check import check_command_line, sweep_with_preset
+from src.config_check import check_command_line, primary_config, sweep_with_preset
 from src.errors import UserError, error_lines
 from src.loggers import run_name
 
@@ -39,15 +39,17 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     return sweep_with_preset(overrides)[0] if multirun else [overrides]
 
 
-def resolved(overrides: list[str]) -> dict:
+def resolved(overrides: list[str], primary: tuple[Path, str] = (CONF, "train")) -> dict:
+    """The job's config, composed from ``primary`` (a folder and a config name: conf/train.yaml, or a run's saved
+    ``.hydra/config.yaml``) and resolved as train.py resolves it."""
     from omegaconf import OmegaConf
 
     from src.data.corpus import SPLITS
     from src.planning import sizes_given
     from src.settings import resolve_config
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[*overrides, "paths.output_dir=."])
+    with initialize_config_dir(config_dir=str(primary[0]), version_base="1.3"):
+        cfg = compose(config_name=primary[1], overrides=[*overrides, "paths.output_dir=."])
     if sizes_given(cfg.get("plan")):  # the data is not read: no files needed
         for split in SPLITS:
             if OmegaConf.is_missing(cfg.data, f"{split}_prefix"):
@@ -57,23 +59,30 @@ def resolved(overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     usage="python plan.py [-m] [--config-dir DIR] [overrides ...]")
+                                     usage="python plan.py [-m] [--config-dir DIR] [--config-path DIR "
+                                           "--config-name NAME] [overrides ...]")
     parser.add_argument("-m", "--multirun", action="store_true", help="sweep the overrides' lists, one row each")
     parser.add_argument("-cd", "--config-dir", help="a folder laid out as conf/ with options of one's own, as "
                         "train.py's --config-dir (the same as hydra.searchpath=[file:///that/folder])")
+    parser.add_argument("-cp", "--config-path", help="with --config-name: the primary config, as train.py's (a "
+                        "run's saved config: --config-path <run>/.hydra --config-name config)")
+    parser.add_argument("-cn", "--config-name")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    named = [*(["--config-path", args.config_path] if args.config_path else []),
+             *(["--config-name", args.config_name] if args.config_name else [])]
     if args.config_dir:
         args.overrides.append(f"hydra.searchpath=[file://{Path(args.config_dir).expanduser().resolve()}]")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     rows, failed = [], []
     try:
-        check_command_line(["-m", *args.overrides] if args.multirun else args.overrides)
+        check_command_line([*named, *(["-m"] if args.multirun else []), *args.overrides])
+        primary = tuple(primary_config(named)[1])
         from src.planning import context_gb, plan_config
         sweep = jobs(args.overrides, args.multirun)
         for job in sweep:
             try:
-                conf = resolved(job)
+                conf = resolved(job, primary)
                 strategy, est, info = plan_config(conf)
             except UserError as e:  # in a sweep, as train.py -m does, one job that cannot run leaves the others
                 if len(sweep) == 1:
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print_one(conf, strategy, est, rows[0][4], gpu, overhead, context)
         if est.required_gb(overhead, context) > gpu and not strategy.auto:
             sys.stdout.flush()  # the verdict now, piped too: the way to fit takes seconds more to estimate
-            print_fix(job, gpu, context, est)
+            print_fix(job, gpu, context, est, primary)
     else:
         print_table(rows, sweep)
         print_failed(failed, sweep)
@@ -162,7 +171,8 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{cost_note(strategy)}")
 
 
-def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) -> None:
+def print_fix(job: list[str], gpu: float, context: float, configured: Estimate,
+              primary: tuple[Path, str] = (CONF, "train")) -> None:
     """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
     estimate of the configured setting just printed."""
     from src.planning import plan_config
@@ -172,7 +182,7 @@ def print_fix(job: list[str], gpu: float, context: float, configured: Estimate) 
               "(plan.context_gb); give the card's memory in GB")
         return
     try:
-        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"]), configured)
+        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"], primary), configured)
     except UserError as e:
         print(f"to fit: {e}")
         return

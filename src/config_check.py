@@ -32,7 +32,7 @@ HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "-
 def check_command_line(argv: list[str]) -> None:
     """Raise ``ConfigError`` with a line for each problem in ``train.py``'s overrides (in every job's, with ``-m``;
     a problem that several jobs share, once)."""
-    argv, primary = _primary_config(_config_dir_as_searchpath(argv))
+    argv, primary = primary_config(_config_dir_as_searchpath(argv))
     if _hydra_command(argv):  # Hydra's own commands: left to Hydra, but for what it refuses in a traceback
         if problem := _hydra_command_problem(argv):
             raise ConfigError(problem)
@@ -66,7 +66,7 @@ def _check_jobs(argv: list[str]) -> None:
 _PRIMARY = [CONF, "train"]
 
 
-def _primary_config(argv: list[str]) -> tuple[list[str], list]:
+def primary_config(argv: list[str]) -> tuple[list[str], list]:
     """``argv`` without ``--config-path``/``-cp`` and ``--config-name``/``-cn``, and the primary config they name:
     a run's saved ``.hydra/config.yaml`` run again (README: Experiment presets), or a primary config of one's own.
     A relative path is taken from train.py's folder, as Hydra takes it."""
@@ -196,7 +196,7 @@ def with_project_hydra(argv: list[str]) -> list[str]:
     sweep in ``multirun/`` without its report or exit status. So conf/ is searched too and its
     ``hydra/default.yaml`` chosen, as every run of conf/train.yaml has it. Left as it is beside a
     ``--config-dir`` of the command line's (Hydra takes one) or a ``hydra`` option of its own."""
-    _, (folder, name) = _primary_config(argv)
+    _, (folder, name) = primary_config(argv)
     if ([folder, name] == [CONF, "train"] or any(a.split("=")[0] in ("--config-dir", "-cd") for a in argv)
             or any(a.lstrip("+").startswith("hydra=") for a in argv)
             or "defaults" in OmegaConf.load(folder / f"{name}.yaml")):

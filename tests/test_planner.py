@@ -340,6 +340,28 @@ def test_memory_auto_trains_in_fp16_on_a_gpu_that_emulates_bf16(monkeypatch, dev
 
 
 @pytest.mark.slow
+def test_a_saved_config_plans_as_the_overrides_it_was_composed_from(capsys, tmp_path):
+    """plan.py --config-path <run>/.hydra --config-name config, as train.py runs a run again: the plan of the
+    overrides the run was given, the way to fit included; a key given beside it is checked against it."""
+    import plan
+
+    sizes = ["plan.src_len=100", "plan.tgt_len=100", "plan.src_vocab=8000", "plan.tgt_vocab=8000", "plan.gpu_gb=0.8"]
+    saved = tmp_path / ".hydra"
+    saved.mkdir()
+    OmegaConf.save(compose_config("memory=amp", run_dir=tmp_path), saved / "config.yaml")
+
+    def planned(*argv: str) -> str:  # (without the line that says how long the estimate took)
+        assert plan.main(list(argv)) == 0
+        return "\n".join(line for line in capsys.readouterr().out.splitlines() if "estimated in" not in line)
+
+    again = planned("--config-path", str(saved), "--config-name", "config", *sizes)
+    assert again == planned("memory=amp", *sizes)
+    assert "to fit: memory=auto memory.budget_gb=0.8 would train with auto(" in again
+    assert plan.main(["-cp", str(saved), "-cn", "config", "model.d_modl=8", *sizes]) == 1
+    assert "model.d_modl: no such key; did you mean model.d_model?" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_plan_command_bad_override_is_one_line():
     proc = run_cli("plan.py", "memory.accum_steps=0", "plan.src_len=10", "plan.tgt_len=10", "plan.src_vocab=50",
                    "plan.tgt_vocab=50")
