@@ -31,15 +31,13 @@ if TYPE_CHECKING:
 # torch and the modules that import it (src.settings, src.memory, src.planner, src.planning) are imported where they
 # are used: --help and a mistyped override are answered without them (as train.py answers)
 
-CONF = Path(__file__).resolve().parent / "conf"
-
 
 def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     """The jobs train.py -m would run, a preset's own sweep included."""
     return sweep_with_preset(overrides)[0] if multirun else [overrides]
 
 
-def resolved(overrides: list[str], primary: tuple[Path, str] = (CONF, "train")) -> dict:
+def resolved(overrides: list[str], primary: tuple[Path, str]) -> dict:
     """The job's config, composed from ``primary`` (a folder and a config name: conf/train.yaml, or a run's saved
     ``.hydra/config.yaml``) and resolved as train.py resolves it."""
     from omegaconf import OmegaConf
@@ -171,8 +169,7 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{cost_note(strategy)}")
 
 
-def print_fix(job: list[str], gpu: float, context: float, configured: Estimate,
-              primary: tuple[Path, str] = (CONF, "train")) -> None:
+def print_fix(job: list[str], gpu: float, context: float, configured: Estimate, primary: tuple[Path, str]) -> None:
     """What memory=auto would choose to fit the card (src/planner.py ``choose_strategy``), starting from the
     estimate of the configured setting just printed."""
     from src.planning import plan_config
@@ -182,7 +179,8 @@ def print_fix(job: list[str], gpu: float, context: float, configured: Estimate,
               "(plan.context_gb); give the card's memory in GB")
         return
     try:
-        strategy, est, _ = plan_config(resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"], primary), configured)
+        auto = resolved([*job, "memory.auto=true", f"memory.budget_gb={gpu:g}"], primary)
+        strategy, est, _ = plan_config(auto, configured)
     except UserError as e:
         print(f"to fit: {e}")
         return
