@@ -197,7 +197,7 @@ def with_project_hydra(argv: list[str]) -> list[str]:
     ``hydra/default.yaml`` chosen, as every run of conf/train.yaml has it. Left as it is beside a
     ``--config-dir`` of the command line's (Hydra takes one) or a ``hydra`` option of its own."""
     _, (folder, name) = primary_config(argv)
-    if ([folder, name] == [CONF, "train"] or any(a.split("=")[0] in ("--config-dir", "-cd") for a in argv)
+    if ([folder, name] == _PRIMARY or any(a.split("=")[0] in ("--config-dir", "-cd") for a in argv)
             or any(a.lstrip("+").startswith("hydra=") for a in argv)
             or "defaults" in OmegaConf.load(folder / f"{name}.yaml")):
         return argv
