@@ -148,8 +148,10 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             log.warning("%s: %d job director%s of an earlier launch of the sweep left out (%s)", root, len(earlier),
                         "y" if len(earlier) == 1 else "ies", ", ".join(sorted(p.name for p in earlier)))
             candidates = [p for p in candidates if p not in earlier]
-    jobs = [Job(str(number), root / str(number), config=_composed(overrides), overrides=overrides, started=False)
-            for number, overrides in enumerate(_sweep_jobs(root)) if str(number) not in present]
+    hydra = _launch(root)
+    jobs = [Job(str(number), root / str(number), config=_composed(overrides, hydra), overrides=overrides,
+                started=False)
+            for number, overrides in enumerate(_sweep_jobs(hydra)) if str(number) not in present]
     for path in candidates:
         try:
             jobs.append(_load_job(path, launched))
@@ -167,33 +169,55 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
     return jobs
 
 
-def _sweep_jobs(root: Path) -> list[list[str]]:
-    """Each job's overrides, as the sweep in ``root`` (its ``multirun.yaml``) was launched with them: a preset's
-    ``hydra.sweeper.params``, then the command line's, as Hydra's basic sweeper combines them. Empty where that
+def _launch(root: Path) -> dict:
+    """The ``hydra`` node of the sweep's ``multirun.yaml`` in ``root``: how it was launched. Empty where there is
+    none, or it does not read."""
+    with contextlib.suppress(DataError):
+        return (_read_yaml(root / "multirun.yaml") or {}).get("hydra") or {}
+    return {}
+
+
+def _sweep_jobs(hydra: dict) -> list[list[str]]:
+    """Each job's overrides, as the sweep (its ``multirun.yaml``'s ``hydra`` node) was launched with them: a
+    preset's ``hydra.sweeper.params``, then the command line's, as Hydra's basic sweeper combines them; less the one
+    train.py adds to a saved config run again, as a job's own record has it (``hydra_job``). Empty where that
     cannot be read (no multirun.yaml, another sweeper's)."""
-    from .config_check import sweep_jobs
+    from .config_check import PROJECT_HYDRA, sweep_jobs
 
     try:
-        hydra = (_read_yaml(root / "multirun.yaml") or {}).get("hydra") or {}
         if not str((hydra.get("sweeper") or {}).get("_target_", "")).endswith(".BasicSweeper"):
             return []
         params = [f"{key}={value}" for key, value in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
-        return sweep_jobs([*params, *((hydra.get("overrides") or {}).get("task") or [])], True)
+        jobs = sweep_jobs([*params, *((hydra.get("overrides") or {}).get("task") or [])], True)
+        return [[o for o in job if o != PROJECT_HYDRA] for job in jobs]
     except Exception:  # (a sweep of another version of the configs, say: its jobs are still listed as found)
         return []
 
 
-def _composed(overrides: list[str]) -> dict:
-    """The config a job not started would run with (its strategy and batch, for its row); empty where it does not
-    compose here."""
-    from hydra import compose
+def _composed(overrides: list[str], hydra: dict) -> dict:
+    """The config a job not started would run with (its strategy and batch, for its row), from the sweep's own
+    primary config and config folders (``hydra``: its multirun.yaml's): a saved ``.hydra/config.yaml`` run again,
+    or conf/train.yaml with a ``--config-dir`` of one's own. Empty where it does not compose here."""
+    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from .config_check import _compose
+    from .config_check import _PRIMARY
 
-    try:  # in train.py's process (a sweep stopped by a signal) Hydra is initialized, with its config folder
-        cfg = compose(config_name="train", overrides=overrides) if GlobalHydra.instance().is_initialized() \
-            else _compose(overrides)
+    name = (hydra.get("job") or {}).get("config_name") or _PRIMARY[1]
+    sources = ((hydra.get("runtime") or {}).get("config_sources")) or []
+    main = next((s["path"] for s in sources if s.get("provider") == "main" and s.get("schema") == "file"), None)
+    if main is None or not Path(main).is_dir():  # a sweep of conf/train.yaml reported elsewhere: this checkout's
+        main = str(_PRIMARY[0]) if name == _PRIMARY[1] else None
+    extra = [f"file://{s['path']}" for s in sources if s.get("provider") == "command-line" and s.get("schema") == "file"]
+    try:  # in train.py's process (a sweep stopped by a signal) Hydra is initialized, with the sweep's config folders
+        if GlobalHydra.instance().is_initialized():
+            cfg = compose(config_name=name, overrides=overrides)
+        elif main is None:
+            return {}
+        else:
+            with initialize_config_dir(config_dir=main, version_base="1.3"):
+                cfg = compose(config_name=name,
+                              overrides=[*overrides, *([f"hydra.searchpath=[{','.join(extra)}]"] if extra else [])])
         return OmegaConf.to_container(cfg, resolve=False)
     except Exception:
         return {}

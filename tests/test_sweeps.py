@@ -552,7 +552,8 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     with other batches, threads, autocast state), equals the same settings run alone, to the bit; and so does the
     run started again from its .hydra/config.yaml (the README's recipe), in outputs/runs/ as any run (Hydra's own
     settings put it in outputs/<date>/<time>), and a sweep of it, in outputs/multirun/ with its report (which
-    Hydra's own settings left out)."""
+    Hydra's own settings left out). That sweep stopped by SIGTERM: its job not started is reported with the saved
+    config's batch (not conf/train.yaml's 64 pairs, nor "?" for train.py's +hydra=default), offline too."""
     common = [*FAST, "trainer.threads=1", f"paths.cache_dir={shared_cache}"]
     sweep = tmp_path / "sweep"
     proc = run_cli("train.py", "-m", "memory=accum,none", *common, f"hydra.sweep.dir={sweep}")
@@ -572,10 +573,13 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     assert_same_run(rerun, alone)
     assert json.loads((rerun / "summary.json").read_text())["overrides"] == []  # (not train.py's +hydra=default)
     proc = run_cli(str(ROOT / "train.py"), "-m", "--config-path", str(alone / ".hydra"), "--config-name", "config",
-                   "trainer.threads=1", cwd=elsewhere)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+                   "trainer.threads=1", "fault.kind=null,sigterm,null", "fault.at_step=1", cwd=elsewhere)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     (swept,) = (elsewhere / "outputs" / "multirun").glob("*/*")
-    assert (swept / "report.md").is_file() and "| 0 | none |" in (swept / "report.md").read_text()
+    rows = markdown_rows((swept / "report.md").read_text())
+    assert rows[0].startswith("| 0 | none fault.kind=null | 16 pairs |") and "| completed |" in rows[0]
+    assert rows[2].startswith("| 2 | none fault.kind=null | 16 pairs |") and "**not started**" in rows[2]
+    assert load_sweep(swept)[2].config["data"]["batch_size"] == 16  # offline (experiments/report.py), as in train.py
     assert_same_run(swept / "0", alone)
 
     # the run's own config.yaml fixes its directory: said, and refused before anything of the run is touched
@@ -587,6 +591,30 @@ def test_a_sweeps_later_job_and_a_rerun_from_hydra_config_equal_the_run_alone(tm
     assert "holds an earlier run's checkpoints" in said
     assert "run it again from its .hydra/config.yaml" in said and "trainer.resume=never" not in said  # (it removes)
     assert {f: f.stat().st_mtime_ns for f in (alone / "checkpoints").iterdir()} == before
+
+
+def test_a_job_not_started_is_composed_from_the_sweeps_own_config_folders(tmp_path):
+    """A sweep launched with a --config-dir of one's own (multirun.yaml's config sources) and stopped before its
+    second job: that job's row is composed with the option of one's own (before, from conf/ alone: "?")."""
+    own = tmp_path / "own"
+    (own / "memory").mkdir(parents=True)
+    (own / "memory" / "mine.yaml").write_text("defaults:\n  - none\n  - _self_\naccum_steps: 2\n")
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "summary.json").write_text(json.dumps(
+        {"status": "interrupted", "strategy": "accum", "overrides": ["memory=mine", "seed=1"]}))
+    # as Hydra writes it (the parts report.py reads)
+    (sweep / "multirun.yaml").write_text(OmegaConf.to_yaml({"hydra": {
+        "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": None},
+        "overrides": {"task": ["memory=mine", "seed=1,2"]},
+        "job": {"config_name": "train"},
+        "runtime": {"config_sources": [{"path": "hydra.conf", "schema": "pkg", "provider": "hydra"},
+                                       {"path": str(ROOT / "conf"), "schema": "file", "provider": "main"},
+                                       {"path": str(own), "schema": "file", "provider": "command-line"},
+                                       {"path": "", "schema": "structured", "provider": "schema"}]}}}))
+    jobs = load_sweep(sweep)
+    assert [(j.started, j.label) for j in jobs] == [(True, "accum seed=1"), (False, "accum seed=2")]
+    assert jobs[1].effective_batch == "64 pairs (2 x 32)"
 
 
 def test_repeated_settings_keep_one_row_per_job(tmp_path):
