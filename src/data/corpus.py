@@ -1,4 +1,5 @@
-"""Parallel corpora as lists of raw sentence pairs: the synthetic grammar, Multi30k, or any plain files.
+"""Parallel corpora as raw sentence pairs (a training split read from files is packed: ``PackedLines``): the
+synthetic grammar, Multi30k, or any plain files.
 
 Every reader checks what it reads and fails with one line naming the file (and line) when the data is bad:
 a missing or empty file, parallel files whose line counts differ, or text that is not UTF-8. The reader of
@@ -19,7 +20,8 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,10 +37,55 @@ SPLITS = ("train", "valid", "test")
 T = TypeVar("T")
 
 
+class PackedLines(Sequence[str]):
+    """Lines of text held as one UTF-8 buffer, joined by newlines, and each line's start: a training side of
+    millions of sentences in about its file's size, where a list of ``str`` took about twice that (an object of
+    49 bytes or more per line; experiments/foundation). Read as a list of ``str`` is (an index or a slice gives
+    ``str``), not written."""
+
+    def __init__(self, lines: Iterable[str]):
+        text, starts = bytearray(), array("q")
+        for line in lines:
+            if starts:
+                text += b"\n"
+            starts.append(len(text))
+            text += line.encode()
+        starts.append(len(text) + 1)  # where a line after the last would start, past its newline
+        self._text, self._starts = text, starts
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("PackedLines index out of range")
+        return self._text[self._starts[i]:self._starts[i + 1] - 1].decode()
+
+    def __iter__(self) -> Iterator[str]:
+        text, starts = self._text, self._starts
+        for i in range(len(self)):
+            yield text[starts[i]:starts[i + 1] - 1].decode()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PackedLines | list) and len(self) == len(other) and all(
+            a == b for a, b in zip(self, other, strict=True))
+
+    def __repr__(self) -> str:
+        return f"PackedLines({len(self):,} lines, {len(self._text):,} bytes)"
+
+    def joined(self) -> bytes | bytearray:
+        """``"\\n".join(lines).encode()``, without making a ``str`` of each line."""
+        return self._text
+
+
 @dataclass
 class ParallelText:
-    src: list[str]
-    tgt: list[str]
+    src: Sequence[str]
+    tgt: Sequence[str]
     # Each pair's line in its files (from 1), where pairs were left out (empty sides); None: pair i is line i + 1.
     lines: list[int] | None = None
 
@@ -70,7 +117,7 @@ class Corpus:
             split = self.splits[name]
             h.update(f"\0{name}\0{len(split)}".encode())
             for side in (split.src, split.tgt):
-                text = "\n".join(side).encode()
+                text = side.joined() if isinstance(side, PackedLines) else "\n".join(side).encode()
                 h.update(len(text).to_bytes(8, "little"))  # each side's length first: no text moves across the border
                 h.update(text)
         return h.hexdigest()[:24]
@@ -155,12 +202,19 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}:{line}: invalid UTF-8 (byte {raw[e.start]:#04x}); convert the file to UTF-8") from None
+    del raw  # each copy of the text let go once the next is made (the peak for a file of a million lines: 4.0 times
+    # its size, 5.0 before)
+    cr = "\r" in text
+    mac = cr and "\n" not in text and (text.count("\r") > 1 or text.endswith("\r"))  # lines ended with \r alone
     lines = text.split("\n")
+    del text
     if lines[-1] == "":
         lines.pop()
-    lines = [line.removesuffix("\r").removeprefix("\ufeff") for line in lines]  # a BOM of files put end to end
-    if "\r" in text and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
-        if "\n" not in text and (text.count("\r") > 1 or text.endswith("\r")):  # lines ended with \r alone
+    for i, line in enumerate(lines):
+        if line.endswith("\r") or line.startswith("\ufeff"):  # a BOM of files put end to end
+            lines[i] = line.removesuffix("\r").removeprefix("\ufeff")
+    if cr and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
+        if mac:
             raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
                             "file to \\n line endings")
         # a stray one in a line, as web-crawled corpora have: whitespace, as BLEU's tokenizer would take it
@@ -198,31 +252,40 @@ def check_line_counts(src_path: str | Path, src: Sequence[str], tgt_path: str | 
 
 
 def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = False) -> ParallelText:
-    """Line pairs of two parallel files. Pairs with an empty side are skipped from training data (with a warning
-    naming the lines) and kept in a ``held_out`` split, which is scored whole: an empty source has an empty
-    translation, an empty reference is scored as one, as translate.py translates and scores such files."""
-    src, tgt = every_problem([partial(read_lines, src_path), partial(read_lines, tgt_path)])
+    """Line pairs of two parallel files, each line stripped of surrounding whitespace. Pairs with an empty side are
+    skipped from training data (with a warning naming the lines) and kept in a ``held_out`` split, which is scored
+    whole: an empty source has an empty translation, an empty reference is scored as one, as translate.py
+    translates and scores such files. A training split's sides are ``PackedLines``, each packed as it is read."""
+    (src, src_empty), (tgt, tgt_empty) = every_problem(
+        [partial(_read_side, path, packed=not held_out) for path in (src_path, tgt_path)])
     check_line_counts(src_path, src, tgt_path, tgt)
-    for path, lines in ((src_path, src), (tgt_path, tgt)):
-        if (tabbed := sum("\t" in line.strip() for line in lines)) > len(lines) / 2:  # not a trailing one
-            log.warning("%s: %d of %d lines hold a tab: a tab-separated file of both languages? This reads one "
-                        "language per file, line for line with the other's", path, tabbed, len(lines))
-    keep = [i for i, (s, t) in enumerate(zip(src, tgt)) if s.strip() and t.strip()]
-    if not keep:
+    if not (src_empty or tgt_empty):
+        return ParallelText(src, tgt)
+    dropped = set(src_empty) | set(tgt_empty)
+    if len(dropped) == len(src):
         raise DataError(f"{src_path}, {tgt_path}: every line pair has an empty side")
-    if len(keep) < len(src):
-        where = []
-        for path, lines in ((src_path, src), (tgt_path, tgt)):
-            empty = [i + 1 for i, line in enumerate(lines) if not line.strip()]
-            if empty:
-                where.append(f"{path} has {len(empty)} empty, at line{'s' if len(empty) > 1 else ''} "
-                             + ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else ""))
-        what = "kept (a held-out split is scored whole)" if held_out else "skipped"
-        log.warning("%s %d line pairs with an empty side: %s", what, len(src) - len(keep), "; ".join(where))
-        if not held_out:
-            src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
-            return ParallelText([s.strip() for s in src], [t.strip() for t in tgt], [i + 1 for i in keep])
-    return ParallelText([s.strip() for s in src], [t.strip() for t in tgt])
+    where = [f"{path} has {len(lines)} empty, at line{'s' if len(lines) > 1 else ''} "
+             + ", ".join(map(str, lines[:5])) + (", ..." if len(lines) > 5 else "")
+             for path, lines in ((src_path, src_empty), (tgt_path, tgt_empty)) if lines]
+    log.warning("%s %d line pairs with an empty side: %s", "kept (a held-out split is scored whole)" if held_out
+                else "skipped", len(dropped), "; ".join(where))
+    if held_out:
+        return ParallelText(src, tgt)
+    kept = [i for i in range(1, len(src) + 1) if i not in dropped]
+    return ParallelText(PackedLines(src[i - 1] for i in kept), PackedLines(tgt[i - 1] for i in kept), kept)
+
+
+def _read_side(path: str | Path, packed: bool) -> tuple[Sequence[str], list[int]]:
+    """One side's lines, stripped (``packed``: as ``PackedLines``), and those that are empty (from 1). Said
+    where most lines hold a tab."""
+    lines = read_lines(path)
+    for i, line in enumerate(lines):  # in place: no second list of a corpus of millions of lines
+        lines[i] = line.strip()
+    if (tabbed := sum("\t" in line for line in lines)) > len(lines) / 2:  # (stripped: not a trailing one)
+        log.warning("%s: %d of %d lines hold a tab: a tab-separated file of both languages? This reads one "
+                    "language per file, line for line with the other's", path, tabbed, len(lines))
+    empty = [i + 1 for i, line in enumerate(lines) if not line]
+    return (PackedLines(lines) if packed else lines), empty
 
 
 def find_text_file(prefix: str | Path, lang: str) -> Path:
