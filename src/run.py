@@ -426,7 +426,7 @@ class TrainingRun:
         overfit_pairs = [i for b in self.batches(0) for i in b] if overfit else None
         self.eval_sets = evaluation_sets(self.corpus, self.encoded, tr.get("limit_eval"),
                                          (self.train_split, overfit_pairs) if overfit else None)
-        del self.corpus  # its text is read no more (the held-out sets keep theirs): 253 MB at 1M training pairs
+        del self.corpus  # (its training text was let go once encoded; the held-out sets keep theirs)
         self.evaluator = Evaluator(self.eval_sets, self.encoded, self.device, tr, self.optim["label_smoothing"],
                                    strategy, self.data["tgt_lang"])
         info.update(

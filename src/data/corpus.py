@@ -14,6 +14,7 @@ import functools
 import gzip
 import hashlib
 import http.client
+import io
 import logging
 import sys
 import time
@@ -82,6 +83,20 @@ class PackedLines(Sequence[str]):
         return self._text
 
 
+class LetGo(Sequence[str]):
+    """A training side whose text was let go once encoded (``Corpus.let_go_of_training_text``): its number of
+    lines, and an error where it is read."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        raise RuntimeError("the training text was let go once encoded (Corpus.let_go_of_training_text)")
+
+
 @dataclass
 class ParallelText:
     src: Sequence[str]
@@ -121,6 +136,13 @@ class Corpus:
                 h.update(len(text).to_bytes(8, "little"))  # each side's length first: no text moves across the border
                 h.update(text)
         return h.hexdigest()[:24]
+
+    def let_go_of_training_text(self) -> None:
+        """Once encoded, the training sentences are read no more (hundreds of MB at millions of pairs, in each
+        process): let go, keeping the digest of the text and each pair's line in its files (``where``)."""
+        self.digest  # noqa: B018 (computed from the text first, where a run without a cache has not yet)
+        train = self.splits["train"]
+        self.splits["train"] = ParallelText(LetGo(len(train)), LetGo(len(train)), train.lines)
 
     def where(self, split: str, i: int, side: int = 0) -> str:
         """Where pair ``i`` of ``split`` is: its file's line (source, or target: ``side`` 1), or its number in a
@@ -171,6 +193,14 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
     """Lines of a UTF-8 text file, plain or gzip-compressed (``-``: standard input), without line endings (``\\n``
     or ``\\r\\n``) and without a byte-order mark. A file of blank lines only is empty, unless ``blank_ok``
     (translate.py's input: a blank line is an empty translation)."""
+    return list(iter_lines(path, blank_ok))
+
+
+def iter_lines(path: str | Path, blank_ok: bool = False) -> Iterator[str]:
+    """``read_lines``'s lines one at a time, from the file's bytes: a corpus's training side is packed as it is
+    read, without a decoded copy of the whole file or a list of its lines beside the bytes (a peak of 2 times the
+    file's size, against 4 with both; experiments/foundation). The file's problems are found before the first line
+    is given, but for one line's invalid UTF-8, found at that line."""
     if str(path) == "-":
         path, raw = "<stdin>", sys.stdin.buffer.read()
     else:
@@ -197,31 +227,29 @@ def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
         line = raw.count(b"\n", 0, nul) + 1
         raise DataError(f"{path}:{line}: a NUL byte, which text does not hold (UTF-16? binary?); convert the file "
                         "to UTF-8 text")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path}:{line}: invalid UTF-8 (byte {raw[e.start]:#04x}); convert the file to UTF-8") from None
-    del raw  # each copy of the text let go once the next is made (the peak for a file of a million lines: 4.0 times
-    # its size, 5.0 before)
-    cr = "\r" in text
-    mac = cr and "\n" not in text and (text.count("\r") > 1 or text.endswith("\r"))  # lines ended with \r alone
-    lines = text.split("\n")
-    del text
-    if lines[-1] == "":
-        lines.pop()
-    for i, line in enumerate(lines):
-        if line.endswith("\r") or line.startswith("\ufeff"):  # a BOM of files put end to end
-            lines[i] = line.removesuffix("\r").removeprefix("\ufeff")
-    if cr and (stray := [i for i, line in enumerate(lines) if "\r" in line]):
-        if mac:
-            raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
-                            "file to \\n line endings")
-        # a stray one in a line, as web-crawled corpora have: whitespace, as BLEU's tokenizer would take it
+    cr = b"\r" in raw
+    mac = cr and b"\n" not in raw and (raw.count(b"\r") > 1 or raw.endswith(b"\r"))  # lines ended with \r alone
+    stray = []  # the lines holding a carriage return, from 1
+    for number, line in enumerate(io.BytesIO(raw), 1):  # (BytesIO reads the bytes as they are: no copy)
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{number}: invalid UTF-8 (byte {line[e.start]:#04x}); convert the file to "
+                            "UTF-8") from None
+        text = text.removesuffix("\n")
+        if text.endswith("\r") or text.startswith("\ufeff"):  # a BOM of files put end to end
+            text = text.removesuffix("\r").removeprefix("\ufeff")
+        if cr and "\r" in text:
+            if mac:
+                raise DataError(f"{path}:1: a carriage return inside the line (old Mac line endings?); convert the "
+                                "file to \\n line endings")
+            # a stray one in a line, as web-crawled corpora have: whitespace, as BLEU's tokenizer would take it
+            stray.append(number)
+            text = text.replace("\r", " ")
+        yield text
+    if stray:
         log.warning("%s: %d line(s) hold a carriage return (the first: line %d); read as a space", path, len(stray),
-                    stray[0] + 1)
-        lines = [line.replace("\r", " ") for line in lines]
-    return lines
+                    stray[0])
 
 
 def every_problem(calls: list[Callable[[], T]]) -> list[T]:
@@ -276,16 +304,24 @@ def read_parallel(src_path: str | Path, tgt_path: str | Path, held_out: bool = F
 
 
 def _read_side(path: str | Path, packed: bool) -> tuple[Sequence[str], list[int]]:
-    """One side's lines, stripped (``packed``: as ``PackedLines``), and those that are empty (from 1). Said
-    where most lines hold a tab."""
-    lines = read_lines(path)
-    for i, line in enumerate(lines):  # in place: no second list of a corpus of millions of lines
-        lines[i] = line.strip()
-    if (tabbed := sum("\t" in line for line in lines)) > len(lines) / 2:  # (stripped: not a trailing one)
+    """One side's lines, stripped (``packed``: as ``PackedLines``, packed as they are read), and those that are
+    empty (from 1). Said where most lines hold a tab."""
+    tabbed, empty = 0, []
+
+    def stripped() -> Iterator[str]:
+        nonlocal tabbed
+        for number, line in enumerate(iter_lines(path), 1):
+            line = line.strip()
+            tabbed += "\t" in line  # (stripped: not a trailing one)
+            if not line:
+                empty.append(number)
+            yield line
+
+    lines = PackedLines(stripped()) if packed else list(stripped())
+    if tabbed > len(lines) / 2:
         log.warning("%s: %d of %d lines hold a tab: a tab-separated file of both languages? This reads one "
                     "language per file, line for line with the other's", path, tabbed, len(lines))
-    empty = [i + 1 for i, line in enumerate(lines) if not line]
-    return (PackedLines(lines) if packed else lines), empty
+    return lines, empty
 
 
 def find_text_file(prefix: str | Path, lang: str) -> Path:

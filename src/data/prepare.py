@@ -91,6 +91,7 @@ def prepare_data(conf: dict, strategy: MemoryStrategy, download_ok: bool = True,
     with (world or World()).local_main_first():
         corpus = load_corpus(conf["data"], cache_dir, download_ok)
         encoded = encode_corpus(corpus, conf["tokenizer"], cache_dir)
+        corpus.let_go_of_training_text()
     check_positions(corpus, encoded, conf["model"].get("max_positions"), strategy, conf["trainer"])
     check_vocabularies(corpus, encoded, conf["tokenizer"])
     info: dict = {"sentences": {k: len(v) for k, v in encoded.splits.items()},
