@@ -1,6 +1,7 @@
 """Resident memory that a run's data holds once it is prepared: the encoded corpus and the training split as
 training reads them (after memory=truncate's cuts and memory=trim_vocab), with the corpus text let go, as a run
-lets go of it once its evaluation sets are made. Takes train.py's overrides; reads (or writes) the same cache.
+lets go of it (the training text once encoded, the rest once its evaluation sets are made). Takes train.py's
+overrides; reads (or writes) the same cache.
 
     python experiments/foundation/data_memory.py data=files data.src_lang=de ... memory=truncate
 """
