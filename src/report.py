@@ -205,10 +205,14 @@ def _composed(overrides: list[str], hydra: dict) -> dict:
 
     name = (hydra.get("job") or {}).get("config_name") or _PRIMARY[1]
     sources = ((hydra.get("runtime") or {}).get("config_sources")) or []
-    main = next((s["path"] for s in sources if s.get("provider") == "main" and s.get("schema") == "file"), None)
+
+    def folders(provider: str) -> list[str]:  # ("main": the primary config's; "command-line": --config-dir's)
+        return [s["path"] for s in sources if s.get("provider") == provider and s.get("schema") == "file"]
+
+    main = next(iter(folders("main")), None)
     if main is None or not Path(main).is_dir():  # a sweep of conf/train.yaml reported elsewhere: this checkout's
         main = str(_PRIMARY[0]) if name == _PRIMARY[1] else None
-    extra = [f"file://{s['path']}" for s in sources if s.get("provider") == "command-line" and s.get("schema") == "file"]
+    extra = [f"file://{path}" for path in folders("command-line")]
     try:  # in train.py's process (a sweep stopped by a signal) Hydra is initialized, with the sweep's config folders
         if GlobalHydra.instance().is_initialized():
             cfg = compose(config_name=name, overrides=overrides)

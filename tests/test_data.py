@@ -216,7 +216,8 @@ def test_a_training_split_is_packed_with_the_digest_of_its_lines(tmp_path):
     data.digest of every run before them) is that of the same lines as lists."""
     paths = write(tmp_path / "t.de", ["ä b ", "", "c"]), write(tmp_path / "t.en", ["A", "B", " – C"])
     text = read_parallel(*paths)
-    assert isinstance(text.src, PackedLines) and (text.src, text.tgt, text.lines) == (["ä b", "c"], ["A", "– C"], [1, 3])
+    assert isinstance(text.src, PackedLines)
+    assert (text.src, text.tgt, text.lines) == (["ä b", "c"], ["A", "– C"], [1, 3])
     assert type(read_parallel(*paths, held_out=True).src) is list
 
     def digest(split: ParallelText) -> str:
