@@ -148,7 +148,7 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
             log.warning("%s: %d job director%s of an earlier launch of the sweep left out (%s)", root, len(earlier),
                         "y" if len(earlier) == 1 else "ies", ", ".join(sorted(p.name for p in earlier)))
             candidates = [p for p in candidates if p not in earlier]
-    hydra = _launch(root)
+    hydra = _multirun_hydra(root)
     jobs = [Job(str(number), root / str(number), config=_composed(overrides, hydra), overrides=overrides,
                 started=False)
             for number, overrides in enumerate(_sweep_jobs(hydra)) if str(number) not in present]
@@ -169,7 +169,7 @@ def load_sweep(sweep_dir: str | Path, latest_launch: bool = False) -> list[Job]:
     return jobs
 
 
-def _launch(root: Path) -> dict:
+def _multirun_hydra(root: Path) -> dict:
     """The ``hydra`` node of the sweep's ``multirun.yaml`` in ``root``: how it was launched. Empty where there is
     none, or it does not read."""
     with contextlib.suppress(DataError):
