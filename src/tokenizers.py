@@ -19,13 +19,18 @@ import logging
 import os
 import random
 import unicodedata
+from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError, check_int
 from .fileio import atomic_dir, atomic_path, write_json
 from .network import unreachable
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,11 @@ class Codec:
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens."""
         raise NotImplementedError
+
+    def encode_counting(self, texts: Sequence[str]) -> tuple[list[list[int]], int]:
+        """``encode``'s ids, and how many special tokens written in the text it encoded as ``<unk>`` (said by the
+        caller, once for a whole split, not by ``encode`` for each chunk of it)."""
+        return self.encode(texts), 0
 
     def decode(self, ids: Iterable[int]) -> str:
         """Plain text of a hypothesis; stops at ``</s>`` and drops the other special tokens."""
@@ -196,6 +206,9 @@ def learn_spacing(docs: Sequence[tuple[Sequence[str], bytes]]) -> tuple[bool, se
 # The training lines the detokenization rules are learned from, drawn from a larger split: learn_glue's passes
 # over every gap took 10 s per 300,000 lines, and holding every line's tokens for them 1 GB per million.
 RULES_SAMPLE = 500_000
+# Token ids renumbered at a time once a vocabulary is sorted (4 MB).
+RENUMBER_CHUNK = 1 << 20
+PROGRESS_EVERY_LINES = 1000  # how often build_encoding tells its caller how far it is
 
 
 def rules_sample(lines: int) -> bytearray:
@@ -308,24 +321,55 @@ class SpacyCodec(Codec):
     ) -> SpacyCodec:
         """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more,
         most frequent first (ties alphabetical), at most ``max_size`` including the specials."""
+        return cls.build_encoding(texts, lang, min_freq, max_size, model, lowercase)[0]
+
+    @classmethod
+    def build_encoding(
+        cls,
+        texts: Sequence[str],
+        lang: str,
+        min_freq: int = 1,
+        max_size: int | None = None,
+        model: str | None = None,
+        lowercase: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[SpacyCodec, Tensor, Tensor]:
+        """The codec ``build`` makes, and the ids of ``texts`` as its ``encode`` gives them, end to end (int32),
+        with each text's length (int64): one spaCy pass over the training text, where building and then encoding
+        took two. Each distinct token is numbered as first seen, then renumbered once the vocabulary is sorted.
+        ``progress``, where given, is told the lines done every PROGRESS_EVERY_LINES lines."""
+        import torch  # (here: the rest of this module needs no torch)
+
         codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
-        counts: Counter[str] = Counter()
+        seen: dict[str, int] = {}  # each distinct token: its number in the order first seen
+        flat, lengths = array("i"), array("q")
         docs, sampled = [], rules_sample(len(texts))  # the lines the detokenization rules learn from
         for i, (tokens, spaces) in enumerate(codec.token_lines(texts)):
-            counts.update(tokens)
+            flat.extend([seen.setdefault(t, len(seen)) for t in tokens])
+            lengths.append(len(tokens))
             if sampled[i]:
                 docs.append((tokens, spaces))
-        if texts and counts.total() < 1.5 * len(texts):  # Thai given as xx, which splits at spaces only
+            if progress is not None and i % PROGRESS_EVERY_LINES == 0:
+                progress(i)
+        ids = torch.tensor(flat, dtype=torch.int32) if not flat else torch.frombuffer(flat, dtype=torch.int32)
+        counts = torch.bincount(ids, minlength=len(seen)).tolist()
+        if texts and len(ids) < 1.5 * len(texts):  # Thai given as xx, which splits at spaces only
             log.warning("spaCy's '%s' tokenizer made %.1f tokens per training sentence: the vocabulary holds whole "
                         "sentences, as this text has almost no spaces; give the language's own code (data.src_lang / "
-                        "data.tgt_lang), or use tokenizer=xlmr", lang, counts.total() / len(texts))
-        words = sorted((w for w, c in counts.items() if c >= min_freq), key=lambda w: (-counts[w], w))
+                        "data.tgt_lang), or use tokenizer=xlmr", lang, len(ids) / len(texts))
+        distinct = list(seen)
+        kept = sorted((j for j, c in enumerate(counts) if c >= min_freq), key=lambda j: (-counts[j], distinct[j]))
         if max_size is not None:
-            words = words[: max(0, max_size - len(SPECIALS))]
+            kept = kept[: max(0, max_size - len(SPECIALS))]
+        renumbered = torch.full((len(seen),), UNK, dtype=torch.int32)
+        renumbered[torch.tensor(kept, dtype=torch.int64)] = torch.arange(len(kept), dtype=torch.int32) + len(SPECIALS)
+        for start in range(0, len(ids), RENUMBER_CHUNK):  # in place, a chunk at a time
+            ids[start:start + RENUMBER_CHUNK] = torch.index_select(renumbered, 0, ids[start:start + RENUMBER_CHUNK])
         glue_left, glue_right, paired = learn_glue(docs)
         spaced, space_left, space_right = learn_spacing(docs)
-        return cls(lang, list(SPECIALS) + words, sorted(glue_left), sorted(glue_right), model, lowercase,
-                   sorted(paired), spaced, sorted(space_left), sorted(space_right))
+        built = cls(lang, list(SPECIALS) + [distinct[j] for j in kept], sorted(glue_left), sorted(glue_right), model,
+                    lowercase, sorted(paired), spaced, sorted(space_left), sorted(space_right))
+        return built, ids, torch.frombuffer(lengths, dtype=torch.int64) if lengths else torch.zeros(0, dtype=torch.int64)
 
     def __len__(self) -> int:
         return len(self.itos)
@@ -398,6 +442,10 @@ def hub_unreachable() -> str | None:
     return why and f"at {constants.ENDPOINT}: {why}"
 
 
+def written_specials(found: int) -> str:
+    return f"{found:,} special token(s) such as <s>, </s> or <pad> written in the text; encoded as <unk>"
+
+
 class HFCodec(Codec):
     """A Hugging Face tokenizer (XLM-R's sentencepiece model), loaded by hub name or local directory.
 
@@ -441,15 +489,20 @@ class HFCodec(Codec):
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text. A special token written out in the text (``<s>``, ``</s>``, ``<pad>``, which
         the tokenizer matches as text) becomes ``<unk>``: as ``</s>`` it would end the sentence in training."""
+        ids, found = self.encode_counting(texts)
+        if found:
+            log.warning("%s", written_specials(found))
+        return ids
+
+    def encode_counting(self, texts: Sequence[str]) -> tuple[list[list[int]], int]:
         if not texts:
-            return []  # (the tokenizer raises IndexError on an empty batch)
+            return [], 0  # (the tokenizer raises IndexError on an empty batch)
         ids = self.tok(list(texts), add_special_tokens=False, return_attention_mask=False)["input_ids"]
         special = set(self.tok.all_special_ids) - {self.unk_id}
         found = sum(i in special for seq in ids for i in seq)
         if found:
-            log.warning("%d special token(s) such as <s>, </s> or <pad> written in the text; encoded as <unk>", found)
             ids = [[self.unk_id if i in special else i for i in seq] for seq in ids]
-        return ids
+        return ids, found
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of ``ids`` up to ``</s>``; an unknown piece as the word ``UNK_TEXT`` (the tokenizer's own
@@ -581,16 +634,28 @@ def check_tokenizer_path(name_or_path: str) -> Path | None:
     return None
 
 
+def spacy_options(spec: dict, lang: str) -> dict:
+    """``SpacyCodec.build``'s keywords for one side from the ``tokenizer`` config."""
+    return {"min_freq": spec.get("min_freq", 1), "max_size": spec.get("max_vocab"),
+            "model": (spec.get("models") or {}).get(lang), "lowercase": spec.get("lowercase", False)}
+
+
 def build_codec(spec: dict, lang: str, train: Sequence[str]) -> Codec:
     """The codec of one side for the ``tokenizer`` config: spaCy's vocabulary is built from that side's training
     text alone (so the two sides can be built apart); XLM-R's is one for both sides and reads no text."""
     name = spec.get("name")
     if name == "spacy":
-        return SpacyCodec.build(train, lang, spec.get("min_freq", 1), spec.get("max_vocab"),
-                                (spec.get("models") or {}).get(lang), spec.get("lowercase", False))
+        return SpacyCodec.build(train, lang, **spacy_options(spec, lang))
     if name == "xlmr":
         return HFCodec(spec["name_or_path"])
     raise ConfigError(f"tokenizer.name={name!r}: expected spacy or xlmr")
+
+
+def build_spacy_encoding(spec: dict, lang: str, train: Sequence[str], progress: Callable[[int], None] | None = None
+                         ) -> tuple[SpacyCodec, Tensor, Tensor]:
+    """``build_codec``'s spaCy codec of one side and the ids of its training text, in one pass over the text
+    (``SpacyCodec.build_encoding``)."""
+    return SpacyCodec.build_encoding(train, lang, **spacy_options(spec, lang), progress=progress)
 
 
 def codec_from_state(state: dict, directory: Path | None = None) -> Codec:

@@ -501,7 +501,7 @@ def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     def no_tokenizing(*a, **k):
         raise AssertionError("a cached corpus must not be tokenized again")
 
-    monkeypatch.setattr("src.data.encode.build_codec", no_tokenizing)
+    monkeypatch.setattr(encode_mod, "_encode", no_tokenizing)
     second = encode_corpus(corpus, spec, tmp_path)
     assert second.from_cache
     for split in ("train", "valid", "test"):
@@ -553,6 +553,7 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
     spec = {"name": "spacy", "min_freq": 1} if name == "spacy" else {"name": "xlmr", "name_or_path": str(xlmr_dir)}
     whole = encode_mod._encode(corpus, spec)[0]
     monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 7)
+    monkeypatch.setattr(tokenizers_mod, "PROGRESS_EVERY_LINES", 7)
     monkeypatch.setattr(encode_mod, "PROGRESS_EVERY_S", 0.0)
     with caplog.at_level("INFO", logger="src.data.encode"):
         chunked = encode_mod._encode(corpus, spec)[0]
@@ -560,8 +561,26 @@ def test_a_split_encoded_in_chunks_equals_it_encoded_at_once_and_says_how_far_it
     for split, sides in whole["splits"].items():
         for side, packed in sides.items():
             assert all(torch.equal(packed[k], chunked["splits"][split][side][k]) for k in ("ids", "lengths"))
-    assert re.search(r"encoding train\.de: 7 of 90 lines, \d+ lines/s, about \d+ min left", caplog.text)
+    # spaCy's vocabulary is counted in the pass that encodes the training split: "tokenizing" says how far it is
+    doing = "tokenizing" if name == "spacy" else "encoding"
+    assert re.search(rf"{doing} train\.de: 7 of 90 lines, \d+ lines/s, about \d+ min left", caplog.text)
+    assert re.search(r"encoding valid\.de: 7 of 10 lines", caplog.text)
     assert "tokenizing 110 pairs (train, valid, test) with " in caplog.text
+
+
+def test_special_tokens_written_in_a_split_are_said_once_for_the_split(xlmr_dir, monkeypatch, caplog):
+    """XLM-R encodes "<s>", "</s>" and "<pad>" written in the text as <unk>, and the split's encoding says how many
+    once, naming the split; not once for each chunk of 20,000 sentences (a WMT side: hundreds of lines)."""
+    codec = tokenizers_mod.HFCodec(str(xlmr_dir))
+    monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 2)
+    texts = ["ein <s> Hund", "ein Hund", "im Garten", "</s> im <pad> Garten", "ein Hund", "ein <s> Hund"]
+    with caplog.at_level("INFO", logger="src"):
+        packed = encode_mod._encode_packed(codec, texts, "train.de")
+    said = [r.getMessage() for r in caplog.records if "special token" in r.getMessage()]
+    caplog.clear()
+    assert said == ["train.de: 4 special token(s) such as <s>, </s> or <pad> written in the text; encoded as <unk>"]
+    assert packed["ids"].tolist() == [i for ids in codec.encode(texts) for i in ids]
+    assert (packed["ids"] == codec.unk_id).sum() >= 4
 
 
 def _rank_waiting_for_the_first(rank: int, port: int, out: Path) -> None:
@@ -620,9 +639,9 @@ def test_spacy_tokenizes_in_a_child_process_per_side_and_gives_what_tokenizing_h
     corpus = load_synthetic("de", "en", {"train": 200, "valid": 10, "test": 10}, 1, LengthDistribution())
     spec = {"name": "spacy", "min_freq": 2}
     built_in = tmp_path / "pids"
-    real = encode_mod.build_codec
+    real = encode_mod.build_spacy_encoding
 
-    def build_codec(spec, lang, train):
+    def build_spacy_encoding(spec, lang, train, progress=None):
         with open(built_in, "a") as f:
             f.write(f"{os.getpid()}\n")
         (tmp_path / lang).touch()
@@ -632,10 +651,10 @@ def test_spacy_tokenizes_in_a_child_process_per_side_and_gives_what_tokenizing_h
             while not other.exists():
                 assert time.monotonic() < deadline, f"the {lang} side's child ran alone"
                 time.sleep(0.01)
-        return real(spec, lang, train)
+        return real(spec, lang, train, progress)
 
     here_pid = os.getpid()
-    monkeypatch.setattr("src.data.encode.build_codec", build_codec)
+    monkeypatch.setattr("src.data.encode.build_spacy_encoding", build_spacy_encoding)
     encoded = encode_corpus(corpus, spec, None)
     pids = built_in.read_text().split()
     assert len(set(pids)) == 2 and str(os.getpid()) not in pids
@@ -694,12 +713,12 @@ def test_an_error_in_the_tokenizing_child_is_raised_in_the_run(tmp_path, monkeyp
     def broken(*a, **k):
         raise ValueError("broken tokenizer")
 
-    monkeypatch.setattr("src.data.encode.build_codec", broken)
+    monkeypatch.setattr("src.data.encode.build_spacy_encoding", broken)
     with pytest.raises(ValueError, match="broken tokenizer") as raised:
         encode_corpus(corpus, {"name": "spacy"}, tmp_path)
     assert any("in the child process" in n and "in broken" in n for n in raised.value.__notes__)
 
-    monkeypatch.setattr("src.data.encode.build_codec", lambda *a, **k: os._exit(9))
+    monkeypatch.setattr("src.data.encode.build_spacy_encoding", lambda *a, **k: os._exit(9))
     with pytest.raises(RuntimeError, match="_encode_side ended with exit code 9 before it replied"):
         encode_corpus(corpus, {"name": "spacy"}, tmp_path)
     # nothing cached; the cache files' locks stay (removing a lock that another job waits on would let two hold it)
@@ -1057,7 +1076,7 @@ def test_encoding_says_how_far_it_is_every_half_minute_not_after_every_chunk(mon
     clock = iter([0.0, 20.0, 40.0, 60.0, 80.0, 100.0, 120.0])
     monkeypatch.setattr(encode_mod, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     monkeypatch.setattr(encode_mod, "ENCODE_CHUNK", 1)
-    codec = SimpleNamespace(encode=lambda texts: [[5, 6] for _ in texts])
+    codec = SimpleNamespace(encode_counting=lambda texts: ([[5, 6] for _ in texts], 0))
     with caplog.at_level("INFO", logger="src.data.encode"):
         packed = encode_mod._encode_packed(codec, ["a b"] * 6, "train.de")
     assert packed["lengths"].tolist() == [2] * 6

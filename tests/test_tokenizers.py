@@ -5,9 +5,11 @@ import os
 import re
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from src import fileio
 from src.data.corpus import read_lines
@@ -47,6 +49,26 @@ def test_vocabulary_specials_order_and_min_freq():
     counts = [codec.itos.index(w) for w in ("Ein", "Mann")]
     assert counts == sorted(counts)  # most frequent first
     assert len(SpacyCodec.build(TEXT, "de", min_freq=1, max_size=10)) == 10
+
+
+@pytest.mark.parametrize("options", [{}, {"min_freq": 2}, {"max_size": 10}, {"lowercase": True}])
+def test_spacy_counts_its_vocabulary_in_the_pass_that_encodes_the_training_text(options):
+    """``build_encoding`` tokenizes the training text once: its vocabulary is the tokens counted from that text
+    (``min_freq`` times or more, most frequent first, ties alphabetical, at most ``max_size``), and its ids are
+    its codec's ``encode`` of the same text (<unk> for the words left out), end to end with each line's length."""
+    texts = [*TEXT, "", "Ein  Hund\u00a0läuft, und ein Kind lacht."]  # an empty line; spaces spaCy makes tokens of
+    codec, ids, lengths = SpacyCodec.build_encoding(texts, "de", **options)
+    counts = Counter(token for tokens in codec.tokenize(texts) for token in tokens)
+    words = sorted((w for w, c in counts.items() if c >= options.get("min_freq", 1)), key=lambda w: (-counts[w], w))
+    assert codec.itos == [*SPECIALS, *words[: options.get("max_size", len(words) + 4) - 4]]
+    assert codec.state() == SpacyCodec.build(texts, "de", **options).state()
+    expected = codec.encode(texts)
+    assert (ids.dtype, lengths.dtype) == (torch.int32, torch.int64)
+    assert lengths.tolist() == [len(e) for e in expected] and lengths[-2] == 0
+    assert ids.tolist() == [i for e in expected for i in e]
+    assert (codec.unk_id in ids.tolist()) == ("min_freq" in options or "max_size" in options)
+    empty, no_ids, no_lengths = SpacyCodec.build_encoding([], "de")
+    assert empty.itos == list(SPECIALS) and no_ids.numel() == no_lengths.numel() == 0
 
 
 def test_a_detokenization_rule_needs_most_of_at_least_three_cases():

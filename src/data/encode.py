@@ -37,7 +37,7 @@ from torch import Tensor
 from ..errors import UserError
 from ..fileio import atomic_path, locked
 from ..memory import peak_rss_mb
-from ..tokenizers import Codec, TrimmedCodec, build_codec, codec_from_state
+from ..tokenizers import Codec, TrimmedCodec, build_codec, build_spacy_encoding, codec_from_state, written_specials
 from .corpus import Corpus
 
 log = logging.getLogger(__name__)
@@ -285,11 +285,17 @@ def _encode(corpus: Corpus, tokenizer: dict, fork: bool = False) -> tuple[dict, 
 
 
 def _encode_side(corpus: Corpus, tokenizer: dict, side: str, codec: Codec | None = None) -> dict:
-    """One side's codec (built from its training text, unless given) and its ids in every split."""
+    """One side's codec and its ids in every split: spaCy's built from the side's training text in the pass that
+    encodes it; XLM-R's ``codec``, shared by both sides, given."""
     lang = corpus.src_lang if side == "src" else corpus.tgt_lang
-    codec = codec or build_codec(tokenizer, lang, getattr(corpus.train, side))
+    encoded = {}
+    if codec is None:
+        texts = getattr(corpus.train, side)
+        codec, ids, lengths = build_spacy_encoding(tokenizer, lang, texts,
+                                                   SplitProgress(f"tokenizing train.{lang}", len(texts)))
+        encoded["train"] = {"ids": ids, "lengths": lengths}
     return {"codec": codec.state(),
-            "splits": {name: _encode_packed(codec, getattr(split, side), f"{name}.{lang}")
+            "splits": {name: encoded.get(name) or _encode_packed(codec, getattr(split, side), f"{name}.{lang}")
                        for name, split in corpus.splits.items()}}
 
 
@@ -299,17 +305,33 @@ ENCODE_CHUNK = 20_000
 PROGRESS_EVERY_S = 30.0
 
 
+class SplitProgress:
+    """Says how far a long pass over a split is, every PROGRESS_EVERY_S seconds since it last said; nothing at the
+    end."""
+
+    def __init__(self, doing: str, total: int):
+        self.doing, self.total = doing, total
+        self.start = self.said = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self.said >= PROGRESS_EVERY_S and 0 < done < self.total:
+            self.said, rate = now, done / (now - self.start)
+            log.info("%s: %s of %s lines, %.0f lines/s, about %.0f min left", self.doing, f"{done:,}",
+                     f"{self.total:,}", rate, (self.total - done) / rate / 60)
+
+
 def _encode_packed(codec: Codec, texts: Sequence[str], what: str) -> dict[str, Tensor]:
-    """``texts`` encoded and packed a chunk at a time, saying how far it is every half minute on a long split."""
-    parts, start = [], time.monotonic()
-    said = start
+    """``texts`` encoded and packed a chunk at a time, saying how far it is every half minute on a long split, and
+    once how many special tokens written in the text became ``<unk>`` (XLM-R's)."""
+    parts, replaced, progress = [], 0, SplitProgress(f"encoding {what}", len(texts))
     for i in range(0, len(texts), ENCODE_CHUNK):
-        parts.append(_pack(codec.encode(texts[i:i + ENCODE_CHUNK])))
-        done, now = min(i + ENCODE_CHUNK, len(texts)), time.monotonic()
-        if now - said >= PROGRESS_EVERY_S and done < len(texts):
-            said, rate = now, done / (now - start)
-            log.info("encoding %s: %s of %s lines, %.0f lines/s, about %.0f min left", what, f"{done:,}",
-                     f"{len(texts):,}", rate, (len(texts) - done) / rate / 60)
+        ids, found = codec.encode_counting(texts[i:i + ENCODE_CHUNK])
+        parts.append(_pack(ids))
+        replaced += found
+        progress(min(i + ENCODE_CHUNK, len(texts)))
+    if replaced:
+        log.warning("%s: %s", what, written_specials(replaced))
     parts = parts or [_pack([])]
     return {key: torch.cat([part[key] for part in parts]) for key in ("ids", "lengths")}
 
