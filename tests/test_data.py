@@ -272,6 +272,47 @@ def test_prepared_data_lets_go_of_the_training_text_and_keeps_its_digest_and_lin
     assert info["data"]["digest"] == corpus.digest == load_corpus(conf["data"], tmp_path / "cache").digest
 
 
+def test_a_cached_corpus_loads_with_its_training_text_let_go_and_a_stale_cache_reads_it_again(tmp_path, monkeypatch):
+    """The encoding cache is keyed by the text's digest: where its file is there, the training text (750 MB at 4.5M
+    pairs) is let go before the ids load. Where the file cannot be used (unreadable), the text is read again from
+    its files and encoded, as the first run encoded it; files changed after their digest was taken are refused."""
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            write(tmp_path / f"{split}.{lang}", ["" if (split, lang, i) == ("train", "en", 2) else
+                                                  f"{split} {lang} wort {i}" for i in range(6)])
+    prefixes, spec, cache = {s: str(tmp_path / s) for s in ("train", "valid", "test")}, {"name": "spacy"}, tmp_path / "c"
+    first_corpus = load_files(prefixes, "de", "en")
+    first = encode_corpus(first_corpus, spec, cache)
+    assert not first.from_cache and first_corpus.holds_training_text  # (prepare_data lets go of it after)
+    held, real_load = [], torch.load
+
+    def load(f, *args, **kwargs):
+        if isinstance(f, Path) and f.parent == cache:  # (not the other loads of the run's code)
+            held.append(corpus.holds_training_text)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    corpus = load_files(prefixes, "de", "en")
+    assert corpus.holds_training_text and encode_corpus(corpus, spec, cache).from_cache and held == [False]
+    assert len(corpus.train) == 5 and corpus.where("train", 2) == f"{tmp_path / 'train.de'}:4"
+
+    first.cache_file.write_bytes(b"not what torch.save writes")
+    corpus = load_files(prefixes, "de", "en")
+    again = encode_corpus(corpus, spec, cache)
+    assert not again.from_cache and held[1:] == [False, False]  # (looked at once more under the cache's lock)
+    assert corpus.train == first_corpus.train and corpus.digest == first_corpus.digest
+    for name, split in first.splits.items():
+        assert [t.tolist() for t in again.splits[name].src] == [t.tolist() for t in split.src]
+    assert again.tgt_codec.state() == first.tgt_codec.state()
+
+    first.cache_file.write_bytes(b"not what torch.save writes")
+    corpus = load_files(prefixes, "de", "en")
+    write(tmp_path / "train.de", [f"train de neu {i}" for i in range(6)])  # rewritten after it was read
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'train.de'))}, .*train\.en: changed while this "
+                                        "run read them; run it again once they are written$"):
+        encode_corpus(corpus, spec, cache)
+
+
 def test_files_corpus_reads_prefixes_plain_or_gz(tmp_path):
     for split, gz in (("train", False), ("valid", True), ("test", False)):
         for lang in ("de", "en"):

@@ -118,6 +118,8 @@ class Corpus:
     splits: dict[str, ParallelText]
     # What identifies the text, for cache keys and the run summary (e.g. file paths and checksums).
     description: dict = field(default_factory=dict)
+    # Reads the training split from its files again; None for a generated corpus, whose text is always held.
+    read_train_again: Callable[[], ParallelText] | None = field(default=None, repr=False, compare=False)
 
     @property
     def train(self) -> ParallelText:
@@ -143,6 +145,23 @@ class Corpus:
         self.digest  # noqa: B018 (computed from the text first, where a run without a cache has not yet)
         train = self.splits["train"]
         self.splits["train"] = ParallelText(LetGo(len(train)), LetGo(len(train)), train.lines)
+
+    @property
+    def holds_training_text(self) -> bool:
+        return not isinstance(self.train.src, LetGo)
+
+    def take_back_training_text(self) -> None:
+        """The training text let go read again from its files (an encoding cache that turned out to be stale needs
+        it); refused where the files changed after the digest, the cache's key, was taken from them."""
+        if self.holds_training_text:
+            return
+        digest = self.digest
+        self.splits["train"] = self.read_train_again()
+        del self.digest  # (functools.cached_property: taken again, from the text read now)
+        if self.digest != digest:
+            paths = self.description.get("train")
+            raise DataError(f"{', '.join(paths) if isinstance(paths, list) else 'the training files'}: changed while "
+                            "this run read them; run it again once they are written")
 
     def where(self, split: str, i: int, side: int = 0) -> str:
         """Where pair ``i`` of ``split`` is: its file's line (source, or target: ``side`` 1), or its number in a
@@ -350,7 +369,7 @@ def load_files(prefixes: dict[str, str], src_lang: str, tgt_lang: str) -> Corpus
     read = dict(zip(SPLITS, every_problem([partial(read_split, split) for split in SPLITS])))
     description = {split: paths for split, (paths, _) in read.items()}
     return Corpus(src_lang, tgt_lang, {split: text for split, (_, text) in read.items()},
-                  {"name": "files", **description})
+                  {"name": "files", **description}, partial(read_parallel, *description["train"]))
 
 
 # ----------------------------------------------------------------------------------------------- Multi30k
@@ -463,7 +482,8 @@ def load_multi30k(src_lang: str, tgt_lang: str, root: str | Path | None, cache_d
     read = collect([partial(split, stem) for stem in MULTI30K_SPLITS.values()])
     description = {"name": "multi30k", **{name: [str(p.resolve()) for p in paths]
                                           for name, (_, paths) in zip(MULTI30K_SPLITS, read)}}
-    return Corpus(src_lang, tgt_lang, {name: text for name, (text, _) in zip(MULTI30K_SPLITS, read)}, description)
+    return Corpus(src_lang, tgt_lang, {name: text for name, (text, _) in zip(MULTI30K_SPLITS, read)}, description,
+                  partial(read_parallel, *description["train"]))
 
 
 # ---------------------------------------------------------------------------------------------- synthetic

@@ -208,6 +208,8 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
     cache_file = Path(cache_dir) / f"encoded-{cache_key(corpus, tokenizer)}.pt" if cache_dir else None
     if cache_file is None:
         return _encoded(corpus, tokenizer, None)
+    if cache_file.is_file() and corpus.read_train_again is not None:  # the text's digest is the key: not held while
+        corpus.let_go_of_training_text()  # the ids load (750 MB at 4.5M pairs), read again where they cannot be used
     if (cached := _cached(cache_file, tokenizer)) is not None:
         return cached
     with contextlib.suppress(OSError):  # a cache directory that cannot be made: unguarded, and not cached
@@ -217,6 +219,7 @@ def encode_corpus(corpus: Corpus, tokenizer: dict, cache_dir: Path | None) -> En
             return cached
         for stale in cache_file.parent.glob(f".{cache_file.name}.*.tmp"):  # a writer killed mid-write left it:
             stale.unlink(missing_ok=True)  # the lock's holder is the only writer of this file
+        corpus.take_back_training_text()
         return _encoded(corpus, tokenizer, cache_file)
 
 
