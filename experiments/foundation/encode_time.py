@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from src.data import encode  # noqa: E402
 from src.data.prepare import load_corpus  # noqa: E402
+from src.fileio import atomic_path  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -36,7 +37,8 @@ if __name__ == "__main__":
     blob, peaks = encode._encode(corpus, {"name": "spacy", "min_freq": 2, "lowercase": False}, fork=True)
     print(f"tokenized and encoded {sum(map(len, corpus.splits.values())):,} pairs in {time.monotonic() - start:.1f} s;"
           f" children's peak RSS {' and '.join(f'{p:.0f}' for p in peaks)} MB")
-    torch.save(blob, args.out)
+    with atomic_path(Path(args.out)) as tmp:  # (a killed run leaves no half-written file)
+        torch.save(blob, tmp)
     if args.compare:
         other = torch.load(args.compare, weights_only=True)
         same_ids = blob["splits"].keys() == other["splits"].keys() and all(
