@@ -310,18 +310,9 @@ class SpacyCodec(Codec):
         return [[t.text for t in doc] for doc in self.tokenize_docs(texts)]
 
     @classmethod
-    def build(
-        cls,
-        texts: Sequence[str],
-        lang: str,
-        min_freq: int = 1,
-        max_size: int | None = None,
-        model: str | None = None,
-        lowercase: bool = False,
-    ) -> SpacyCodec:
-        """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more,
-        most frequent first (ties alphabetical), at most ``max_size`` including the specials."""
-        return cls.build_encoding(texts, lang, min_freq, max_size, model, lowercase)[0]
+    def build(cls, *args, **kwargs) -> SpacyCodec:
+        """``build_encoding``'s codec alone."""
+        return cls.build_encoding(*args, **kwargs)[0]
 
     @classmethod
     def build_encoding(
@@ -334,11 +325,16 @@ class SpacyCodec(Codec):
         lowercase: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> tuple[SpacyCodec, Tensor, Tensor]:
-        """The codec ``build`` makes, and the ids of ``texts`` as its ``encode`` gives them, end to end (int32),
-        with each text's length (int64): one spaCy pass over the training text, where building and then encoding
-        took two. Each distinct token is numbered as first seen, then renumbered once the vocabulary is sorted.
-        ``progress``, where given, is told the lines done every PROGRESS_EVERY_LINES lines."""
+        """Vocabulary and detokenization rules from training text: tokens seen ``min_freq`` times or more, most
+        frequent first (ties alphabetical), at most ``max_size`` including the specials. And the ids of ``texts``
+        as the codec's ``encode`` gives them, end to end (int32), with each text's length (int64): one spaCy pass
+        over the training text, where building and then encoding took two. Each distinct token is numbered as first
+        seen, then renumbered once the vocabulary is sorted. ``progress``, where given, is told the lines done
+        every PROGRESS_EVERY_LINES lines."""
         import torch  # (here: the rest of this module needs no torch)
+
+        def tensor(values: array, dtype: torch.dtype) -> Tensor:  # (the array's memory; frombuffer refuses none)
+            return torch.frombuffer(values, dtype=dtype) if len(values) else torch.zeros(0, dtype=dtype)
 
         codec = cls(lang, list(SPECIALS), model=model, lowercase=lowercase)
         seen: dict[str, int] = {}  # each distinct token: its number in the order first seen
@@ -351,7 +347,7 @@ class SpacyCodec(Codec):
                 docs.append((tokens, spaces))
             if progress is not None and i % PROGRESS_EVERY_LINES == 0:
                 progress(i)
-        ids = torch.tensor(flat, dtype=torch.int32) if not flat else torch.frombuffer(flat, dtype=torch.int32)
+        ids = tensor(flat, torch.int32)
         counts = torch.bincount(ids, minlength=len(seen)).tolist()
         if texts and len(ids) < 1.5 * len(texts):  # Thai given as xx, which splits at spaces only
             log.warning("spaCy's '%s' tokenizer made %.1f tokens per training sentence: the vocabulary holds whole "
@@ -369,7 +365,7 @@ class SpacyCodec(Codec):
         spaced, space_left, space_right = learn_spacing(docs)
         built = cls(lang, list(SPECIALS) + [distinct[j] for j in kept], sorted(glue_left), sorted(glue_right), model,
                     lowercase, sorted(paired), spaced, sorted(space_left), sorted(space_right))
-        return built, ids, torch.frombuffer(lengths, dtype=torch.int64) if lengths else torch.zeros(0, dtype=torch.int64)
+        return built, ids, tensor(lengths, torch.int64)
 
     def __len__(self) -> int:
         return len(self.itos)
