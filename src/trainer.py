@@ -248,8 +248,16 @@ class Trainer:
         Compiled code is dropped first (``torch.compiler.reset``): a sweep's jobs share the process, and a later
         job would otherwise run an earlier job's graphs, skipping the compilation that the earlier job's throughput
         paid for (26 s against 0.01 s for the first step of a 2+2-layer model, d_model 32, on 2 CPU cores), until
-        Dynamo's recompile limit sent a job's variants back to eager mode."""
+        Dynamo's recompile limit sent a job's variants back to eager mode.
+
+        The model's float attributes (dropout rates, norm epsilons, the embedding scale, label smoothing), constant
+        through a run, are traced as constants (Dynamo's ``specialize_float``): torch 2.13 made each a symbol, found
+        that it could not keep them so, and traced the whole step again, 26 s to compile against 19 (the model
+        above, Inductor's caches off)."""
+        import torch._dynamo
+
         torch.compiler.reset()
+        torch._dynamo.config.specialize_float = True
         if self.device.type == "cpu":
             from torch._inductor import config, cpu_vec_isa
 

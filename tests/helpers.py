@@ -39,12 +39,12 @@ def make_split(n=8, seed=0, vocab=30) -> EncodedSplit:
     return EncodedSplit(src, tgt)
 
 
-def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0, world=None):
+def model_and_trainer(strategy: MemoryStrategy, dropout=0.0, seed=0, adam=False, lr=1.0, world=None, layers=2):
     """With plain SGD (the default here) a parameter update is the gradient times lr, so equal updates mean
     equal gradients; Adam's first step, ``lr * g / |g|``, would amplify rounding noise in near-zero gradients."""
     torch.manual_seed(seed)
     model = Transformer(ModelArgs(src_vocab=30, tgt_vocab=30, pad_id=PAD, d_model=32, n_heads=4, d_ff=64,
-                                  encoder_layers=2, decoder_layers=2, dropout=dropout))
+                                  encoder_layers=layers, decoder_layers=layers, dropout=dropout))
     if adam:
         opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.98), eps=1e-9)
     else:
