@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -260,15 +261,22 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mo
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)
 
 
-def shard_steps(order: list[list[int]], world: World) -> list[tuple[list[int], bool, list[list[int]]]]:
+class RankSteps(Sequence):
     """(this rank's batch, whether it is real, the step's batches on all ranks) for each optimizer step: step
     ``s`` takes batches ``s*N .. s*N+N-1`` of the epoch's order, batch ``s*N + rank`` for this rank. When the
     epoch's last step has fewer than N batches, a rank without one repeats the step's first batch, marked not
     real (fairseq's dummy batch): it runs forward and backward so the collectives stay in step, and its loss
-    is multiplied by 0. Every example counts once per epoch."""
-    steps = []
-    for start in range(0, len(order), world.size):
-        group = order[start : start + world.size]
-        real = world.rank < len(group)
-        steps.append((group[world.rank] if real else group[0], real, group))
-    return steps
+    is multiplied by 0. Every example counts once per epoch. Each step's lists are made as it is taken, so an
+    epoch's batches stay in ``EpochBatches``' one tensor."""
+
+    def __init__(self, order: Sequence[list[int]], world: World):
+        self.order, self.world = order, world
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.world.size)
+
+    def __getitem__(self, s: int) -> tuple[list[int], bool, list[list[int]]]:
+        s = range(len(self))[s]
+        group = list(self.order[s * self.world.size:(s + 1) * self.world.size])
+        real = self.world.rank < len(group)
+        return group[self.world.rank] if real else group[0], real, group

@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,10 +30,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .building import build_model, build_optimizer, model_args, rank_seed, seed_everything
 from .checkpoint import averaged_checkpoint, save_checkpoint
-from .data.batching import epoch_batches, micro_batches, pair_sizes, split_batch
+from .data.batching import EpochBatches, epoch_batches, micro_batches, pair_sizes, split_batch
 from .data.encode import seq_lengths
 from .data.prepare import prepare_data
 from .distributed import (
+    RankSteps,
     World,
     check_one_slurm_task,
     ddp_bucket_bytes,
@@ -41,7 +42,6 @@ from .distributed import (
     fully_shard_net,
     load_full_state,
     process_group,
-    shard_steps,
     shared_cores_tasks,
     world_from_env,
 )
@@ -82,6 +82,7 @@ from .state import (
     same_checkpoint_on_every_rank,
     stale_best,
     step_checkpoints,
+    trained_mask,
 )
 from .tokenizers import save_codecs
 from .trainer import AgreedOutOfMemoryError, LossModule, Trainer
@@ -347,7 +348,7 @@ class TrainingRun:
         self._plan_batches_and_evaluation()
         self._compile_and_watch_memory()
         self._read_settings()
-        self.p = Progress(accum_steps=self.strategy.accum_steps)
+        self.p = Progress(accum_steps=self.strategy.accum_steps, trained=trained_mask([], len(self.train_split)))
         self.window = Window(device, world)
         self.saved_step = -1  # the step of the newest step checkpoint written by this process
         self.best_written = -1  # and of its newest best.pt
@@ -423,7 +424,7 @@ class TrainingRun:
         self.overfit = overfit = tr.get("overfit_batches")
         self.tgt_sizes = [n + 1 for n in seq_lengths(self.train_split.tgt)]  # target tokens of each pair, </s> too
         self.steps_per_epoch = len(self.steps(0))  # optimizer steps (under torchrun, each takes a batch per rank)
-        overfit_pairs = [i for b in self.batches(0) for i in b] if overfit else None
+        overfit_pairs = self.batches(0).pairs.tolist() if overfit else None
         self.eval_sets = evaluation_sets(self.corpus, self.encoded, tr.get("limit_eval"),
                                          (self.train_split, overfit_pairs) if overfit else None)
         del self.corpus  # (its training text was let go once encoded; the held-out sets keep theirs)
@@ -495,7 +496,7 @@ class TrainingRun:
         if ckpt["scaler"]:  # a run without fp16 saved none: one resumed with memory.amp=fp16 starts a new scaler
             self.trainer.scaler.load_state_dict(ckpt["scaler"])
         self.logger = self.begin()  # the checkpoint is accepted and loaded: the run's files are this run's from here on
-        self.p = p = Progress.from_checkpoint(ckpt)
+        self.p = p = Progress.from_checkpoint(ckpt, len(self.train_split))
         p.resumes.append({"step": p.step, "changed": config_changes(ckpt.get("config") or {}, self.conf)})
         self.info["resumes"] = p.resumes  # every attempt's changes, those of earlier resumes with the checkpoint
         p.accum_steps = _accum_from_here(p, self.strategy.accum_steps)
@@ -570,7 +571,7 @@ class TrainingRun:
 
     # ------------------------------------------------------------------------------------------------ batches
 
-    def batches(self, epoch: int) -> list[list[int]]:
+    def batches(self, epoch: int) -> EpochBatches:
         overfit = self.overfit
         try:
             order = epoch_batches(self.sizes, self.batch_size, self.max_tokens, shuffle=True, seed=self.conf["seed"],
@@ -581,18 +582,16 @@ class TrainingRun:
             raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
         return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
 
-    def steps(self, epoch: int, batches_done: int = 0, trained: Sequence[int] = ()
-              ) -> list[tuple[list[int], bool, list[list[int]]]]:
+    def steps(self, epoch: int, batches_done: int = 0, trained: torch.Tensor | None = None) -> RankSteps:
         """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
         may have been trained with another number of ranks). Resumed mid-epoch with other batches (another
         batch size or token budget), the first ``batches_done`` are not the pairs trained: the epoch's batches
         go on without the pairs already ``trained`` (``Progress.trained``), so each pair is still trained once."""
         order = self.batches(epoch)
-        trained = set(trained)
-        if batches_done and trained and trained != {i for b in order[:batches_done] for i in b}:
-            order = [kept for b in order if (kept := [i for i in b if i not in trained])]
-            return shard_steps(order, self.world)
-        return shard_steps(order[batches_done:], self.world)
+        if (batches_done and trained is not None and trained.any()
+                and not torch.equal(trained, trained_mask(order[:batches_done].pairs, len(trained)))):
+            return RankSteps(order.without(trained), self.world)
+        return RankSteps(order[batches_done:], self.world)
 
     # --------------------------------------------------------------------------------------------- training
 
@@ -619,7 +618,7 @@ class TrainingRun:
                     del stats
                     p.step += 1
                     p.batches_done += len(group)
-                    p.trained += [i for b in group for i in b]
+                    p.trained[[i for b in group for i in b]] = True
                     self.bar.update(1)
                     if p.step % tr["log_every"] == 0:
                         self.log_window()
@@ -637,7 +636,8 @@ class TrainingRun:
                     if self.done():
                         break
                 else:
-                    p.epoch, p.batches_done, p.trained = p.epoch + 1, 0, []
+                    p.epoch, p.batches_done = p.epoch + 1, 0
+                    p.trained.zero_()
         self.bar.close()
         self.log_window()
         if p.last_eval_step != p.step:

@@ -35,7 +35,9 @@ class Progress:
     step: int = 0
     epoch: int = 0
     batches_done: int = 0  # batches of ``epoch``'s order already trained, on all ranks together
-    trained: list = field(default_factory=list)  # the pairs of ``epoch`` already trained (TrainingRun.steps)
+    # the pairs of ``epoch`` already trained (TrainingRun.steps): a bool per training pair (``trained_mask``); not in
+    # Progress's ``==``, where a tensor of several values has no truth value
+    trained: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool), compare=False)
     best_bleu: float = -1.0
     best_step: int = 0
     last_eval_step: int = -1
@@ -49,10 +51,11 @@ class Progress:
     resumes: list = field(default_factory=list)  # each resume: its step and the settings changed there
 
     def to_dict(self) -> dict:
-        """As a checkpoint holds it: ``trained`` as one tensor (a list of millions of ints, late in an epoch of a
-        WMT-sized corpus, took seconds to copy, save and load in every checkpoint: 4.0, 1.2 and 4.7 s at 4.5M)."""
-        state = asdict(replace(self, trained=[]))
-        state["trained"] = torch.tensor(self.trained, dtype=torch.int32)
+        """As a checkpoint holds it: ``trained`` as the indices of the pairs trained, one int32 tensor (a list of
+        millions of ints, late in an epoch of a WMT-sized corpus, took seconds to copy, save and load in every
+        checkpoint: 4.0, 1.2 and 4.7 s at 4.5M)."""
+        state = asdict(replace(self, trained=None))
+        state["trained"] = self.trained.nonzero().flatten().to(torch.int32)
         return state
 
     def forget_validations(self) -> None:
@@ -62,16 +65,25 @@ class Progress:
             fresh.best_bleu, fresh.best_step, fresh.valid_scores, fresh.last_eval_step)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: dict) -> Progress:
-        """A checkpoint's progress. Counted in batches, it resumes with any number of ranks; checkpoints written
-        before 2026-12-02 counted optimizer steps (``batch_in_epoch``) of one batch per rank."""
+    def from_checkpoint(cls, ckpt: dict, pairs: int) -> Progress:
+        """A checkpoint's progress, for a run of ``pairs`` training pairs. Counted in batches, it resumes with any
+        number of ranks; checkpoints written before 2026-12-02 counted optimizer steps (``batch_in_epoch``) of one
+        batch per rank."""
         state = dict(ckpt["progress"])
-        if isinstance(state.get("trained"), torch.Tensor):  # a list before 2026-12-04, none before 2026-12-03
-            state["trained"] = state["trained"].tolist()
+        state["trained"] = trained_mask(state.get("trained", []), pairs)  # a list before 2026-12-04, none before -03
         if "batch_in_epoch" in state:
             ranks = ckpt.get("rng_ranks")  # one random state per rank: a data-parallel run's
             state["batches_done"] = state.pop("batch_in_epoch") * (len(ranks) if ranks else 1)
         return cls(**state)
+
+
+def trained_mask(indices, pairs: int) -> torch.Tensor:
+    """``Progress.trained`` from the indices of the pairs trained (a tensor or a list); an index past ``pairs``
+    (a checkpoint of a larger corpus, which resuming warns of) marks nothing, as it matched no pair before."""
+    indices = torch.as_tensor(indices, dtype=torch.long)
+    mask = torch.zeros(pairs, dtype=torch.bool)
+    mask[indices[indices < pairs]] = True
+    return mask
 
 
 def rng_state() -> dict:

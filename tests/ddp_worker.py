@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 
 from src.data.batching import micro_batches, pair_sizes  # noqa: E402
-from src.distributed import process_group, shard_steps, world_from_env  # noqa: E402
+from src.distributed import RankSteps, process_group, world_from_env  # noqa: E402
 from src.memory import MemoryStrategy  # noqa: E402
 from tests.helpers import BOS, EOS, PAD, make_split, model_and_trainer  # noqa: E402
 
@@ -75,7 +75,7 @@ def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
 
     trainer.net.register_comm_hook(None, counting_hook)
     backoffs, parts = 0, accum
-    for step, (indices, real, group) in enumerate(shard_steps(ORDER, world), 1):
+    for step, (indices, real, group) in enumerate(RankSteps(ORDER, world), 1):
         calls.append(0)
         step_tokens = sum(len(split.tgt[i]) + 1 for b in group for i in b)
         if agree and step == 1 and world.rank == 1:

@@ -20,7 +20,7 @@ import src.run
 from src.building import rank_seed
 from src.data.batching import epoch_batches, micro_batches, pair_sizes
 from src.data.prepare import prepare_data
-from src.distributed import World, shard_steps
+from src.distributed import RankSteps, World
 from src.errors import ConfigError
 from src.memory import MemoryStrategy, memory_strategy
 
@@ -54,7 +54,7 @@ def test_each_example_counts_once_per_epoch_across_the_ranks():
     for size in (1, 2, 3, 4):
         seen = []
         for rank in range(size):
-            steps = shard_steps(order, World(rank=rank, size=size))
+            steps = RankSteps(order, World(rank=rank, size=size))
             assert len(steps) == -(-len(order) // size)  # every rank takes the same number of steps
             seen += [i for indices, real, _ in steps if real for i in indices]
         assert sorted(seen) == list(range(9))

@@ -656,7 +656,7 @@ def test_a_checkpoint_from_before_batches_were_counted_resumes_at_its_batch():
     old = Progress().to_dict()
     del old["batches_done"]
     one, two = ({"progress": {**old, "batch_in_epoch": 3}, "rng_ranks": ranks} for ranks in (None, [{}, {}]))
-    assert Progress.from_checkpoint(one).batches_done == 3 and Progress.from_checkpoint(two).batches_done == 6
+    assert Progress.from_checkpoint(one, 8).batches_done == 3 and Progress.from_checkpoint(two, 8).batches_done == 6
 
 
 def test_a_run_started_from_another_runs_checkpoint_resumes_from_its_own(fast_cfg, tmp_path, shared_cache):
@@ -897,22 +897,27 @@ def test_jobs_that_miss_the_encoded_corpus_cache_together_tokenize_once(tmp_path
 
 
 def test_the_pairs_trained_in_an_epoch_are_saved_as_one_tensor_and_load_from_either_form(tmp_path):
-    """Progress.trained, millions of ints late in an epoch of a WMT-sized corpus, took seconds to copy, save and
-    load in every checkpoint as a list: it is one int32 tensor in the checkpoint, a list again once loaded, and a
-    checkpoint that holds the list (before 2026-12-04) still resumes."""
+    """Progress.trained, a bool per training pair, is the indices of the pairs trained in the checkpoint, one int32
+    tensor (as a list of millions of ints, late in an epoch of a WMT-sized corpus, it took seconds to copy, save and
+    load in every checkpoint); a checkpoint that holds the list (before 2026-12-04) still resumes, and an index past
+    the corpus (a checkpoint of a larger one) marks nothing."""
     from src.checkpoint import save_checkpoint
-    from src.state import Progress
+    from src.state import Progress, trained_mask
 
-    progress = Progress(step=3, trained=[7, 2, 5])
+    progress = Progress(step=3, trained=trained_mask([7, 2, 5], 9))
+    assert progress.trained.tolist() == [i in (2, 5, 7) for i in range(9)]
     saved = progress.to_dict()
-    assert saved["trained"].dtype == torch.int32 and saved["trained"].tolist() == [7, 2, 5]
+    assert saved["trained"].dtype == torch.int32 and saved["trained"].tolist() == [2, 5, 7]
     save_checkpoint(tmp_path / "new.pt", progress=saved)
     save_checkpoint(tmp_path / "old.pt", progress={**saved, "trained": [7, 2, 5]})
     for name in ("new.pt", "old.pt"):
-        assert Progress.from_checkpoint(load_checkpoint(tmp_path / name)) == progress
-    # and one from before Progress.trained (2026-12-03): the default, as before
+        loaded = Progress.from_checkpoint(load_checkpoint(tmp_path / name), 9)
+        assert loaded == progress and torch.equal(loaded.trained, progress.trained)
+    assert Progress.from_checkpoint(load_checkpoint(tmp_path / "new.pt"), 6).trained.nonzero().flatten().tolist() == [2, 5]
+    # and one from before Progress.trained (2026-12-03): nothing marked, as before
     save_checkpoint(tmp_path / "older.pt", progress={k: v for k, v in saved.items() if k != "trained"})
-    assert Progress.from_checkpoint(load_checkpoint(tmp_path / "older.pt")) == Progress(step=3)
+    older = Progress.from_checkpoint(load_checkpoint(tmp_path / "older.pt"), 9)
+    assert older == Progress(step=3) and not older.trained.any() and len(older.trained) == 9
 
 
 def test_a_best_pt_unreadable_for_a_moment_is_kept_and_a_damaged_one_removed(tmp_path, monkeypatch):

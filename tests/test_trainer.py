@@ -305,6 +305,57 @@ def test_micro_batches_differ_by_at_most_one_pair_and_none_is_empty(n, parts):
     assert [i for p in split for i in p] == sorted(range(n), key=lambda i: sizes[i])  # neighbouring lengths
 
 
+def reference_batches(sizes, batch_size, shuffle, seed, epoch, pool_batches=100):
+    """batch_indices as lists of Python ints, one pair at a time (as it was until 2026-12-06): the rule it keeps."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(sizes), generator=g).tolist() if shuffle else list(range(len(sizes)))
+    pool, batches = batch_size * pool_batches, []
+    for start in range(0, len(sizes), pool):
+        chunk = sorted(order[start:start + pool], key=lambda i: sizes[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()] if shuffle else batches
+
+
+def reference_token_batches(sizes, max_tokens, shuffle, seed, epoch):
+    """token_batch_indices, one pair at a time (until 2026-12-06)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(sizes), generator=g).tolist() if shuffle else list(range(len(sizes)))
+    order.sort(key=lambda i: sizes[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * sizes[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    batches += [current] if current else []
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()] if shuffle else batches
+
+
+def test_an_epochs_batches_in_one_tensor_are_the_batches_made_a_pair_at_a_time():
+    """EpochBatches (the indices in one tensor, worked out a pool or a size at a time) against the rules as loops
+    over Python lists: the same batches in the same order, for sentence batches and token budgets, with and
+    without shuffling, empty and tiny epochs, pools of one batch; and the same slices, and batches without the
+    pairs already trained (a run resumed with other batches: TrainingRun.steps)."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(150):
+        n = rng.choice([0, 1, 2, 5, 17, 64, 333, 1000])
+        sizes = [rng.randint(1, rng.choice([3, 10, 60, 200])) for _ in range(n)]
+        shuffle, seed, epoch = rng.random() < 0.8, rng.randint(0, 5), rng.randint(0, 3)
+        batch_size, pool_batches = rng.randint(1, 70), rng.choice([1, 4, 100])
+        max_tokens = max(sizes, default=1) * rng.choice([1, 2, 5, 40]) + rng.randint(0, 9)
+        batches = batch_indices(sizes, batch_size, shuffle, seed, epoch, pool_batches)
+        reference = reference_batches(sizes, batch_size, shuffle, seed, epoch, pool_batches)
+        assert batches.tolist() == reference, case
+        assert token_batch_indices(sizes, max_tokens, shuffle, seed, epoch) == reference_token_batches(
+            sizes, max_tokens, shuffle, seed, epoch), case
+        first, stop = sorted(rng.randint(0, len(reference)) for _ in range(2))
+        assert batches[first:stop] == reference[first:stop] and batches[first:][-1:] == reference[first:][-1:]
+        trained = torch.rand(n, generator=torch.Generator().manual_seed(case)) < rng.random()
+        assert batches.without(trained) == [kept for b in reference if (kept := [i for i in b if not trained[i]])]
+
+
 def test_a_token_budget_holds_a_pair_of_exactly_its_size_and_fills_batches_to_it():
     check_token_budget(10, 10)
     with pytest.raises(ValueError, match=r"data.max_tokens=10 is smaller than the longest training pair \(11 tokens"):

@@ -65,29 +65,92 @@ def pair_sizes(split: EncodedSplit) -> list[int]:
     return [max(s, t) + 1 for s, t in zip(seq_lengths(split.src), seq_lengths(split.tgt), strict=True)]
 
 
+class EpochBatches:
+    """An epoch's batches: the pairs' indices batch after batch in one tensor, and where each batch begins.
+    Indexed, a batch is a list of ints; sliced, the batches of that range (sharing the tensor); iterated, each
+    batch's list in turn. As lists of Python ints (36 bytes an index), an epoch of WMT14's 4.5M pairs held
+    176 MiB for as long as it trained; here, 8 bytes an index."""
+
+    def __init__(self, pairs: Tensor, lengths: Tensor | list[int]):
+        self.pairs = pairs
+        lengths = torch.as_tensor(lengths, dtype=torch.long)
+        self.bounds = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])  # batch k: bounds[k]:bounds[k+1]
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, k: int | slice) -> list[int] | EpochBatches:
+        if isinstance(k, slice):
+            first, stop, stride = k.indices(len(self))
+            if stride != 1:
+                raise ValueError("EpochBatches slices take every batch of their range")
+            stop = max(first, stop)
+            return EpochBatches(self.pairs[int(self.bounds[first]):int(self.bounds[stop])],
+                                self.bounds[first + 1:stop + 1] - self.bounds[first:stop])
+        k = range(len(self))[k]  # (a negative index counts from the end; out of range raises IndexError)
+        return self.pairs[int(self.bounds[k]):int(self.bounds[k + 1])].tolist()
+
+    def __iter__(self):
+        bounds = self.bounds.tolist()
+        for first, stop in zip(bounds, bounds[1:]):
+            yield self.pairs[first:stop].tolist()
+
+    def tolist(self) -> list[list[int]]:
+        return list(self)
+
+    def __eq__(self, other) -> bool:  # the same batches, in the same order (another EpochBatches, or lists)
+        if isinstance(other, EpochBatches):
+            return torch.equal(self.pairs, other.pairs) and torch.equal(self.bounds, other.bounds)
+        return self.tolist() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None
+
+    def lengths(self) -> Tensor:
+        return self.bounds.diff()
+
+    def without(self, done: Tensor) -> EpochBatches:
+        """These batches without the pairs that ``done`` (a bool per pair of the corpus) marks, in the same order;
+        the batches left empty are left out."""
+        kept = ~done[self.pairs]
+        counts = torch.cat([kept.new_zeros(1, dtype=torch.long), torch.cumsum(kept, 0)])
+        lengths = counts[self.bounds[1:]] - counts[self.bounds[:-1]]
+        return EpochBatches(self.pairs[kept], lengths[lengths > 0])
+
+    def reordered(self, order: Tensor) -> EpochBatches:
+        """The same batches in ``order`` (a permutation of their positions)."""
+        lengths = self.lengths()[order]
+        moved = self.bounds[:-1][order] - (torch.cumsum(lengths, 0) - lengths)  # where each batch's pairs come from
+        return EpochBatches(self.pairs[torch.arange(len(self.pairs)) + moved.repeat_interleave(lengths)], lengths)
+
+
+def _shuffler(shuffle: bool, seed: int, epoch: int) -> torch.Generator | None:
+    return torch.Generator().manual_seed(seed * 100_003 + epoch) if shuffle else None
+
+
+def _order(n: int, g: torch.Generator | None) -> Tensor:
+    return torch.randperm(n, generator=g) if g is not None else torch.arange(n)
+
+
 def batch_indices(
     sizes: list[int], batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0, pool_batches: int = 100
-) -> list[list[int]]:
+) -> EpochBatches:
     """Sentence indices of each batch for one epoch; every index appears exactly once.
 
     With ``shuffle``, the order is a function of ``(seed, epoch)`` alone, so a run is reproducible."""
     if batch_size < 1:
         raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
     n = len(sizes)
-    if shuffle:
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = torch.randperm(n, generator=g).tolist()
-    else:
-        order = list(range(n))
+    g = _shuffler(shuffle, seed, epoch)
+    order = _order(n, g)
     pool = batch_size * pool_batches
-    batches = []
-    for start in range(0, n, pool):
-        chunk = sorted(order[start : start + pool], key=lambda i: sizes[i])
-        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    if shuffle:
-        perm = torch.randperm(len(batches), generator=g).tolist()
-        batches = [batches[i] for i in perm]
-    return batches
+    if n:  # sorted by size within each pool (stable: equal sizes keep the shuffled order)
+        size = torch.as_tensor(sizes, dtype=torch.long)[order]
+        order = order[torch.sort(torch.arange(n) // pool * (int(size.max()) + 1) + size, stable=True).indices]
+    last = n % pool  # each pool cut into batches of batch_size, its last one shorter
+    lengths = [batch_size] * (n // pool * pool_batches + last // batch_size) + ([last % batch_size] if last % batch_size
+                                                                                else [])
+    batches = EpochBatches(order, lengths)
+    return batches.reordered(torch.randperm(len(batches), generator=g)) if g is not None else batches
 
 
 def split_batch(indices: list[int], sizes: list[int], parts: int) -> list[list[int]]:
@@ -115,35 +178,46 @@ def check_token_budget(max_tokens: int, largest: int) -> None:
 
 def token_batch_indices(
     sizes: list[int], max_tokens: int, shuffle: bool, seed: int = 0, epoch: int = 0
-) -> list[list[int]]:
+) -> EpochBatches:
     """Batches under a token budget, padding counted: a batch of n pairs costs n x its largest pair size, and
     no batch costs more than ``max_tokens`` (fairseq's ``--max-tokens``). Pairs are sorted by size (ties in a
     random order) before they are packed, so batches carry little padding; the batch order is then shuffled.
     Every index appears exactly once; the order is a function of ``(seed, epoch)``."""
     if max_tokens < 1:
         raise ValueError(f"data.max_tokens must be >= 1, got {max_tokens}")
-    if sizes:
-        check_token_budget(max_tokens, max(sizes))
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    order = torch.randperm(len(sizes), generator=g).tolist() if shuffle else list(range(len(sizes)))
-    order.sort(key=lambda i: sizes[i])  # stable: equal sizes keep their random order
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:  # ascending sizes: the newest pair is the batch's largest
-        if current and (len(current) + 1) * sizes[i] > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    if shuffle:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-    return batches
+    size = torch.as_tensor(sizes, dtype=torch.long)
+    if len(size):
+        check_token_budget(max_tokens, int(size.max()))
+    g = _shuffler(shuffle, seed, epoch)
+    order = _order(len(size), g)
+    order = order[torch.sort(size[order], stable=True).indices]  # stable: equal sizes keep their random order
+    batches = EpochBatches(order, _packed_lengths(size[order], max_tokens))
+    return batches.reordered(torch.randperm(len(batches), generator=g)) if g is not None else batches
+
+
+def _packed_lengths(ascending: Tensor, max_tokens: int) -> list[int]:
+    """The batch lengths of packing pairs of ``ascending`` sizes in turn: a pair joins the open batch unless the
+    batch would then cost more than ``max_tokens`` (its pairs times the newest pair's size, the largest), and
+    then opens the next one. Worked out a size at a time, not a pair at a time (a Python loop over 4.5M pairs)."""
+    sizes, counts = torch.unique_consecutive(ascending, return_counts=True)
+    lengths, open_batch = [], 0
+    for size, count in zip(sizes.tolist(), counts.tolist()):
+        fits = max_tokens // size  # pairs of this size in one batch (at least 1: check_token_budget)
+        if open_batch >= fits:  # the next pair, of this size, would overflow it
+            lengths.append(open_batch)
+            open_batch = 0
+        joining = min(count, fits - open_batch)
+        open_batch, count = open_batch + joining, count - joining
+        if count:  # it is full: whole batches of this size follow, then the rest opens a batch
+            full, rest = divmod(count, fits)
+            lengths += [open_batch] + [fits] * full
+            open_batch = rest
+    return lengths + ([open_batch] if open_batch else [])
 
 
 def epoch_batches(
     sizes: list[int], batch_size: int, max_tokens: int | None, shuffle: bool, seed: int = 0, epoch: int = 0
-) -> list[list[int]]:
+) -> EpochBatches:
     """One epoch's batches: by token budget when ``max_tokens`` is set, else ``batch_size`` pairs each."""
     if max_tokens:
         return token_batch_indices(sizes, max_tokens, shuffle, seed, epoch)
