@@ -123,12 +123,18 @@ class EpochBatches:
         return EpochBatches(self.pairs[torch.arange(len(self.pairs)) + moved.repeat_interleave(lengths)], lengths)
 
 
-def _shuffler(shuffle: bool, seed: int, epoch: int) -> torch.Generator | None:
-    return torch.Generator().manual_seed(seed * 100_003 + epoch) if shuffle else None
+def _pair_order(n: int, shuffle: bool, seed: int, epoch: int) -> tuple[torch.Generator | None, Tensor]:
+    """The epoch's generator (a function of ``(seed, epoch)``; none without ``shuffle``) and the pairs' first order
+    (drawn from it, or as they are)."""
+    if not shuffle:
+        return None, torch.arange(n)
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return g, torch.randperm(n, generator=g)
 
 
-def _order(n: int, g: torch.Generator | None) -> Tensor:
-    return torch.randperm(n, generator=g) if g is not None else torch.arange(n)
+def _in_drawn_order(batches: EpochBatches, g: torch.Generator | None) -> EpochBatches:
+    """The batches in an order drawn from the epoch's generator, where it shuffles."""
+    return batches if g is None else batches.reordered(torch.randperm(len(batches), generator=g))
 
 
 def batch_indices(
@@ -140,17 +146,14 @@ def batch_indices(
     if batch_size < 1:
         raise ValueError(f"data.batch_size={batch_size}: must be >= 1")
     n = len(sizes)
-    g = _shuffler(shuffle, seed, epoch)
-    order = _order(n, g)
+    g, order = _pair_order(n, shuffle, seed, epoch)
     pool = batch_size * pool_batches
     if n:  # sorted by size within each pool (stable: equal sizes keep the shuffled order)
         size = torch.as_tensor(sizes, dtype=torch.long)[order]
         order = order[torch.sort(torch.arange(n) // pool * (int(size.max()) + 1) + size, stable=True).indices]
-    last = n % pool  # each pool cut into batches of batch_size, its last one shorter
-    lengths = [batch_size] * (n // pool * pool_batches + last // batch_size) + ([last % batch_size] if last % batch_size
-                                                                                else [])
-    batches = EpochBatches(order, lengths)
-    return batches.reordered(torch.randperm(len(batches), generator=g)) if g is not None else batches
+    full, rest = divmod(n % pool, batch_size)  # each pool cut into batches of batch_size; the last pool's last shorter
+    lengths = [batch_size] * (n // pool * pool_batches + full) + ([rest] if rest else [])
+    return _in_drawn_order(EpochBatches(order, lengths), g)
 
 
 def split_batch(indices: list[int], sizes: list[int], parts: int) -> list[list[int]]:
@@ -188,11 +191,9 @@ def token_batch_indices(
     size = torch.as_tensor(sizes, dtype=torch.long)
     if len(size):
         check_token_budget(max_tokens, int(size.max()))
-    g = _shuffler(shuffle, seed, epoch)
-    order = _order(len(size), g)
+    g, order = _pair_order(len(size), shuffle, seed, epoch)
     order = order[torch.sort(size[order], stable=True).indices]  # stable: equal sizes keep their random order
-    batches = EpochBatches(order, _packed_lengths(size[order], max_tokens))
-    return batches.reordered(torch.randperm(len(batches), generator=g)) if g is not None else batches
+    return _in_drawn_order(EpochBatches(order, _packed_lengths(size[order], max_tokens)), g)
 
 
 def _packed_lengths(ascending: Tensor, max_tokens: int) -> list[int]:
