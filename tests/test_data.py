@@ -345,6 +345,25 @@ def test_multi30k_reader_on_generated_files(tmp_path, caplog):
                                               "test_2016_flickr.de.gz", "test_2016_flickr.en.gz"))
 
 
+def test_one_language_on_both_sides_is_said_to_be_a_copy_task(tmp_path, caplog):
+    """data.src_lang=de data.tgt_lang=de reads the same files on both sides: a copy task, a sanity check one may
+    mean, or a typo; said in one line, not refused."""
+    import logging
+
+    from src.data.prepare import load_corpus
+
+    data = {"name": "multi30k", "root": str(make_multi30k(tmp_path)), "src_lang": "de", "tgt_lang": "de"}
+    with caplog.at_level(logging.WARNING, logger="src.data.prepare"):
+        corpus = load_corpus(data, tmp_path / "cache")
+    assert corpus.splits["train"].src == corpus.splits["train"].tgt
+    said = [r.getMessage() for r in caplog.records if r.name == "src.data.prepare"]
+    assert said == ["data.src_lang=data.tgt_lang=de: the model learns to copy its input, not to translate"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="src.data.prepare"):
+        load_corpus({**data, "tgt_lang": "en"}, tmp_path / "cache")
+    assert not [r for r in caplog.records if r.name == "src.data.prepare"]
+
+
 def test_the_corpus_digest_is_its_text_wherever_its_files_are(tmp_path):
     """A run's summary names its data by the digest of the text read (data.digest): the same sentences in
     another folder have the same one, a line changed another."""

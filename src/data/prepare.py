@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 def load_corpus(data: dict, cache_dir: Path, download_ok: bool = True) -> Corpus:
     name = data.get("name")
     src, tgt = data["src_lang"], data["tgt_lang"]
+    if src == tgt:  # a sanity check one may run on purpose, or a typo: said, not refused
+        log.warning("data.src_lang=data.tgt_lang=%s: the model learns to copy its input, not to translate", src)
     if name == "synthetic":
         try:
             lengths = LengthDistribution(
