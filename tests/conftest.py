@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,15 @@ LONGEST_FIRST = ["test_planner.py",  # 167 s
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+@pytest.fixture(autouse=True)
+def _steps_planned_anew():
+    """Each test plans its own steps: src/planner.py keeps those a process planned (a sweep plans them again), and
+    one test's plan, or its patches, must not answer another's."""
+    yield
+    if planner := sys.modules.get("src.planner"):
+        planner.forget_estimates()
 
 
 # The slow marker: a test that takes about 3 s or more on 2 cores (setup and call, in the suite's own run) is marked

@@ -260,6 +260,53 @@ def test_a_plan_sweeps_rows_each_say_what_varies_in_the_sweep(capsys):
             if line.startswith("| ") and not line.startswith("| job")] == ["| 0", "| 1"]
 
 
+@pytest.mark.slow
+def test_a_step_planned_again_in_a_process_is_the_same_estimate_without_running_it_again(monkeypatch, capsys):
+    """A sweep over cards, or over memory=auto's budgets, plans the same steps in each job: each is run on fake tensors
+    once per process, and a step that differs in what it runs (amp, checkpointing, loss chunks, shape, kernels) is
+    run on its own. The estimates are equal to those made anew, and a caller's changes to one stay its own."""
+    import plan
+    from src import planner
+
+    asked, runs = [], []
+    fake_step, estimate = planner._fake_step, planner.estimate_step
+    monkeypatch.setattr(planner, "_fake_step", lambda *a: runs.append(tuple(map(repr, a))) or fake_step(*a))
+    monkeypatch.setattr(planner, "estimate_step", lambda *a, **k: asked.append(a) or estimate(*a, **k))
+    one_layer = {**TINY, "encoder_layers": 1, "decoder_layers": 1}
+    args, shape = ModelArgs(src_vocab=1000, tgt_vocab=900, pad_id=1, **one_layer), StepShape(4, 20, 18)
+    first = estimate_step(args, MemoryStrategy(), shape)
+    again = estimate_step(args, MemoryStrategy(auto=True, budget_gb=3, max_tokens=500, oom_retries=1), shape)
+    assert len(runs) == 1 and dataclasses.replace(again, seconds=first.seconds) == first
+    again.by_category["gradients"] += 1
+    assert estimate_step(args, MemoryStrategy(), shape).by_category == first.by_category
+    fp16 = estimate_step(args, MemoryStrategy(amp="fp16"), shape)  # planned as bf16, which stores the same
+    assert len(runs) == 2 and estimate_step(args, MemoryStrategy(amp="bf16"), shape).peak_bytes == fp16.peak_bytes
+    for other in (MemoryStrategy(checkpoint=True), MemoryStrategy(loss_chunk=16)):
+        estimate_step(args, other, shape)
+    estimate_step(args, MemoryStrategy(), StepShape(4, 20, 18, accum_steps=2))
+    estimate_step(args, MemoryStrategy(), shape, attention=["math"])
+    assert len(runs) == 6
+    ddp, fsdp = (estimate_step(args, MemoryStrategy(fsdp=f), shape, world_size=2) for f in (False, True))
+    assert len(runs) == 6 and ddp.peak_bytes > first.peak_bytes > fsdp.peak_bytes
+    planner.forget_estimates()
+    made_anew = estimate_step(args, MemoryStrategy(), shape)
+    assert len(runs) == 7 and dataclasses.replace(made_anew, seconds=first.seconds) == first
+
+    # plan.py: a sweep over cards plans its step once; one over memory=auto's budgets, each step its searches share once
+    small = ["model=tiny", "model.encoder_layers=1", "model.decoder_layers=1", "data.batch_size=32", "plan.src_len=60",
+             "plan.tgt_len=60", "plan.src_vocab=1000", "plan.tgt_vocab=1000", "plan.device=cpu"]
+    asked.clear()
+    runs.clear()
+    assert plan.main(["-m", "plan.gpu_gb=0.5,1,2", *small]) == 0
+    assert (len(asked), len(runs)) == (3, 1)
+    asked.clear()
+    runs.clear()
+    assert plan.main(["-m", "memory=auto", "memory.budget_gb=0.03,0.06", *small]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\| auto\(accum\) memory.budget_gb=0.03 \| (\d+) x (\d+) pairs", out), out
+    assert len(set(runs)) == len(runs) < len(asked), (len(runs), len(asked))
+
+
 def test_a_budget_holds_estimates_up_to_its_margins():
     """memory.budget_gb holds an estimate plus 10% for the allocator and 0.5 GB of CUDA context (plan.overhead,
     plan.context_gb): ``usable_bytes`` is ``Estimate.required_gb`` turned around."""
