@@ -226,7 +226,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
         args = dataclasses.replace(args, attention_dropout=0.0)
     key = (args, planned, shape, label_smoothing, clip_grad_norm, None if kernels is None else tuple(kernels))
     if key not in _FAKE_STEPS:
-        _FAKE_STEPS[key] = _fake_step(*key[:5], kernels)
+        _FAKE_STEPS[key] = _fake_step(args, planned, shape, label_smoothing, clip_grad_norm, kernels)
     known = _FAKE_STEPS[key]
     est = dataclasses.replace(known, by_category=dict(known.by_category), seconds=time.perf_counter() - started)
     if strategy.fsdp:
