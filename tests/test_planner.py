@@ -303,7 +303,7 @@ def test_a_step_planned_again_in_a_process_is_the_same_estimate_without_running_
     runs.clear()
     assert plan.main(["-m", "memory=auto", "memory.budget_gb=0.03,0.06", *small]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"\| auto\(accum\) memory.budget_gb=0.03 \| (\d+) x (\d+) pairs", out), out
+    assert "| auto(accum) memory.budget_gb=0.03 |" in out and "| auto(accum) memory.budget_gb=0.06 |" in out, out
     assert len(set(runs)) == len(runs) < len(asked), (len(runs), len(asked))
 
 
