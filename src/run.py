@@ -30,8 +30,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from .building import build_model, build_optimizer, model_args, rank_seed, seed_everything
 from .checkpoint import averaged_checkpoint, save_checkpoint
-from .data.batching import EpochBatches, epoch_batches, micro_batches, pair_sizes, split_batch
-from .data.encode import seq_lengths
+from .data.batching import EpochBatches, epoch_batches, micro_batches, pair_sizes, split_batch, target_sizes
 from .data.prepare import prepare_data
 from .distributed import (
     RankSteps,
@@ -422,7 +421,7 @@ class TrainingRun:
         self.batch_size, self.max_tokens = batch_size, max_tokens = self.data["batch_size"], strategy.max_tokens
         self.sizes = pair_sizes(self.train_split)
         self.overfit = overfit = tr.get("overfit_batches")
-        self.tgt_sizes = [n + 1 for n in seq_lengths(self.train_split.tgt)]  # target tokens of each pair, </s> too
+        self.tgt_sizes = target_sizes(self.train_split)
         self.steps_per_epoch = len(self.steps(0))  # optimizer steps (under torchrun, each takes a batch per rank)
         overfit_pairs = self.batches(0).pairs.tolist() if overfit else None
         self.eval_sets = evaluation_sets(self.corpus, self.encoded, tr.get("limit_eval"),

