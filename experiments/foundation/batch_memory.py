@@ -1,7 +1,9 @@
 """An epoch's batches and the pairs trained over it, as a run holds them, at WMT14 en-de's 4.5M pairs (random pair
-sizes): the time to make the epoch's order, its resident memory, the time to take every step of the epoch
+sizes): the time to make the pairs' sizes and target sizes and their resident memory, the time to make the epoch's
+order, its resident memory, the time to take every step of the epoch
 (``RankSteps``) marking the pairs trained (``Progress.trained``), and to turn those into a checkpoint's tensor.
-Run in a checkout from before commit b5b74d5 (lists of Python ints) it measures that layout.
+Run in a checkout from before commit b5b74d5 (lists of Python ints) it measures that layout; before e1bc88a, the
+sizes as lists.
 
     python experiments/foundation/batch_memory.py [--pairs 4500000]
 """
@@ -18,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from src.data import batching  # noqa: E402
 from src.data.batching import epoch_batches  # noqa: E402
+from src.data.encode import EncodedSplit, PackedSequences, seq_lengths  # noqa: E402
 from src.distributed import World  # noqa: E402
 
 
@@ -37,7 +40,17 @@ def main() -> None:
     else:
         from src.distributed import shard_steps as RankSteps  # noqa: N812
     g = torch.Generator().manual_seed(0)
-    sizes = (torch.randint(5, 60, (n,), generator=g) + torch.randint(0, 40, (n,), generator=g)).tolist()
+    lengths = [torch.randint(4, 59, (n,), generator=g) + torch.randint(0, 40, (n,), generator=g) for _ in range(2)]
+    # the ids are never read: torch.empty's pages are not resident until written
+    split = EncodedSplit(*(PackedSequences(torch.empty(int(x.sum()), dtype=torch.int32), x) for x in lengths))
+    gc.collect()
+    base, started = rss_mib(), time.perf_counter()
+    sizes = batching.pair_sizes(split)
+    targets = (batching.target_sizes(split) if hasattr(batching, "target_sizes")
+               else [k + 1 for k in seq_lengths(split.tgt)])
+    print(f"the pairs' sizes and target sizes ({type(sizes).__name__}s): made in {time.perf_counter() - started:.2f} s, "
+          f"RSS +{rss_mib() - base:.0f} MiB", flush=True)
+    del split, lengths, targets
     for max_tokens, batch_size in ((None, 128), (8192, 0)):
         gc.collect()
         base = rss_mib()
