@@ -78,10 +78,10 @@ def _int32_array(values: Tensor) -> array:
     return array("i", values.to(torch.int32).numpy().tobytes())
 
 
-def size_tensor(sizes: Sequence[int]) -> Tensor:
-    """``pair_sizes`` (or a list of sizes) as an int64 tensor: an array's 4-byte ints read at once."""
-    if isinstance(sizes, array) and len(sizes):
-        return torch.frombuffer(sizes, dtype=torch.int32 if sizes.itemsize == 4 else torch.int64).long()
+def _size_tensor(sizes: Sequence[int]) -> Tensor:
+    """``pair_sizes`` (or a list of sizes) as an int64 tensor: the array's 4-byte ints read at once."""
+    if isinstance(sizes, array) and sizes.typecode == "i" and len(sizes):
+        return torch.frombuffer(sizes, dtype=torch.int32).long()
     return torch.as_tensor(sizes, dtype=torch.long)
 
 
@@ -169,7 +169,7 @@ def batch_indices(
     g, order = _pair_order(n, shuffle, seed, epoch)
     pool = batch_size * pool_batches
     if n:  # sorted by size within each pool (stable: equal sizes keep the shuffled order)
-        size = size_tensor(sizes)[order]
+        size = _size_tensor(sizes)[order]
         order = order[torch.sort(torch.arange(n) // pool * (int(size.max()) + 1) + size, stable=True).indices]
     full, rest = divmod(n % pool, batch_size)  # each pool cut into batches of batch_size; the last pool's last shorter
     lengths = [batch_size] * (n // pool * pool_batches + full) + ([rest] if rest else [])
@@ -208,7 +208,7 @@ def token_batch_indices(
     Every index appears exactly once; the order is a function of ``(seed, epoch)``."""
     if max_tokens < 1:
         raise ValueError(f"data.max_tokens must be >= 1, got {max_tokens}")
-    size = size_tensor(sizes)
+    size = _size_tensor(sizes)
     if len(size):
         check_token_budget(max_tokens, int(size.max()))
     g, order = _pair_order(len(size), shuffle, seed, epoch)
