@@ -421,6 +421,7 @@ class TrainingRun:
         self.batch_size, self.max_tokens = batch_size, max_tokens = self.data["batch_size"], strategy.max_tokens
         self.sizes = pair_sizes(self.train_split)
         self.overfit = overfit = tr.get("overfit_batches")
+        self._batches: tuple[int, EpochBatches] | None = None  # the newest epoch's (``batches``)
         self.tgt_sizes = target_sizes(self.train_split)
         self.steps_per_epoch = len(self.steps(0))  # optimizer steps (under torchrun, each takes a batch per rank)
         overfit_pairs = self.batches(0).pairs.tolist() if overfit else None
@@ -571,15 +572,22 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------------ batches
 
     def batches(self, epoch: int) -> EpochBatches:
+        """An epoch's batches (overfit: the first epoch's first ones, every epoch). The newest epoch's are kept:
+        the run's start counts the first epoch's steps, then trains them (0.4-0.6 s to make at 4.5M pairs)."""
         overfit = self.overfit
+        epoch = 0 if overfit else epoch
+        if self._batches is not None and self._batches[0] == epoch:
+            return self._batches[1]
+        self._batches = None  # (not held while the next is made)
         try:
             order = epoch_batches(self.sizes, self.batch_size, self.max_tokens, shuffle=True, seed=self.conf["seed"],
-                                  epoch=0 if overfit else epoch)
+                                  epoch=epoch)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if overfit and overfit > len(order):
             raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
-        return order[:overfit] if overfit else order  # overfit: the first epoch's first batches, every epoch
+        self._batches = epoch, order[:overfit] if overfit else order
+        return self._batches[1]
 
     def steps(self, epoch: int, batches_done: int = 0, trained: torch.Tensor | None = None) -> RankSteps:
         """The optimizer steps of an epoch's batches after the first ``batches_done`` (a resumed run's, which
