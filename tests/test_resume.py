@@ -627,7 +627,7 @@ def test_resumed_mid_epoch_with_another_batch_size_the_epoch_still_trains_each_p
 
 @pytest.mark.parametrize("overfit", [None, 2])
 def test_each_epochs_batches_are_made_once_and_trained_in_that_epochs_order(fast_cfg, monkeypatch, overfit):
-    """20 steps over 19 batches an epoch: the run counts the first epoch's steps at its start, then trains them,
+    """12 steps over 10 batches an epoch: the run counts the first epoch's steps at its start, then trains them,
     from one order (it was made twice, 0.4-0.6 s each at 4.5M pairs); the second epoch trains its own. With
     trainer.overfit_batches, every epoch trains the first epoch's first batches, made once."""
     import src.run
@@ -644,16 +644,16 @@ def test_each_epochs_batches_are_made_once_and_trained_in_that_epochs_order(fast
 
     monkeypatch.setattr(src.run, "epoch_batches", making)
     monkeypatch.setattr(src.run.TrainingRun, "train_step", recorded)
-    overrides = ["trainer.max_steps=20", "trainer.eval_every=20"]
+    overrides = ["data.batch_size=32", "trainer.max_steps=12", "trainer.eval_every=12"]
     summary = train(fast_cfg(*overrides, *([f"trainer.overfit_batches={overfit}"] if overfit else [])))
-    assert summary["status"] == "completed" and summary["steps"] == len(seen) == 20
+    assert summary["status"] == "completed" and summary["steps"] == len(seen) == 12
     assert {epoch: len(orders) for epoch, orders in made.items()} == ({0: 1} if overfit else {0: 1, 1: 1})
     epochs = sorted({epoch for epoch, _ in seen})
-    assert epochs == list(range(10 if overfit else 2))
+    assert epochs == list(range(6 if overfit else 2))
     for epoch in epochs:
         trained = [batch for e, batch in seen if e == epoch]
         assert trained == made[0 if overfit else epoch][0].tolist()[:len(trained)]
-        assert len(trained) == (overfit or (19 if epoch == 0 else 1))
+        assert len(trained) == (overfit or (10 if epoch == 0 else 2))
 
 
 def test_a_run_without_fp16_resumes_with_fp16_and_a_failed_load_leaves_the_run_as_it_was(fast_cfg, monkeypatch):
