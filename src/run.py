@@ -586,7 +586,7 @@ class TrainingRun:
             raise ConfigError(str(e)) from None
         if overfit and overfit > len(order):
             raise ConfigError(f"trainer.overfit_batches={overfit}: the training data makes only {len(order)} batches")
-        self._batches = epoch, order[:overfit] if overfit else order
+        self._batches = (epoch, order[:overfit] if overfit else order)
         return self._batches[1]
 
     def steps(self, epoch: int, batches_done: int = 0, trained: torch.Tensor | None = None) -> RankSteps:
