@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from .data.batching import batch_indices, collate, pad_stack, pair_sizes
+from .data.batching import batch_indices, collate, gather, pad_rows, pair_sizes
 from .data.corpus import Corpus, ParallelText
 from .data.encode import EncodedCorpus, EncodedSplit
 from .errors import ConfigError, NumericalError, UserError
@@ -53,8 +53,7 @@ def validation_loss(
     tokens = 0
     pin = torch.device(device).type == "cuda"
     for idx in batch_indices(sizes, batch_size, shuffle=False):
-        b = collate([split.src[i] for i in idx], [split.tgt[i] for i in idx], codec.pad_id, codec.bos_id, codec.eos_id,
-                    pin)
+        b = collate(split.src, split.tgt, codec.pad_id, codec.bos_id, codec.eos_id, pin, idx)
         b = b.to(device)
         with autocast():
             ls, ns = batch_loss(model, b, codec.pad_id, label_smoothing, loss_chunk)
@@ -235,12 +234,11 @@ def translate_ids(
     ``batch_size`` changes nothing but rounding. A source of no tokens (a blank line a held-out split keeps) has an
     empty translation, as translate.py writes for a blank line: it is not decoded. No translation is longer than
     ``max_positions`` (None: any length), as fairseq caps it at the decoder's positions."""
-    eos = torch.tensor([src_codec.eos_id])
     order = sorted((i for i in range(len(sources)) if len(sources[i])), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        src = pad_stack([torch.cat([sources[i], eos]) for i in idx], src_codec.pad_id).to(device)
+        src = pad_rows(*gather(sources, idx), src_codec.pad_id, eos_id=src_codec.eos_id).to(device)
         max_len = [int(max_len_a * (len(sources[i]) + 1) + max_len_b) for i in idx]
         if max_positions is not None:
             max_len = [min(n, max_positions) for n in max_len]
