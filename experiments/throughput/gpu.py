@@ -15,7 +15,8 @@
    operators by CUDA time; then the same with the first of --attention, in the same file;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
-   case included;
+   case included; then the host time of making a step's batch on this machine's CPU, now and as it was made until
+   2026-12-06 (experiments/foundation/collate_time.py: seconds);
 6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
 7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["attention", "fp32", "profile", "memory", "planner",
-                                                                     "determinism", "compile"])
+                                                                     "host", "determinism", "compile"])
     parser.add_argument("--attention", nargs="+", default=list(ATTENTION_CHOICES),
                         help="trainer.attention settings timed besides PyTorch's choice; the first is profiled too")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the bf16 runs (PyTorch's choice and --attention)")
@@ -172,6 +173,12 @@ def main() -> None:
             train_run(label, ["memory=amp", *([f"trainer.attention={choice}"] if choice else [])], bf16_rate)
         if r == 0 and "planner" not in args.skip:  # early: seconds long, and what the planner's GPU check needs
             ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
+        if r == 0 and "host" not in args.skip:  # seconds: the host time of a step's batch, which the device waits for
+            status = sub("experiments/foundation/collate_time.py", "--root", args.root)
+            ran("host", status)
+            if not status[0]:
+                results["batch_host_time"] = [line for line in status[1].splitlines() if line.startswith("|")]
+                write(results, out)
     if "fp32" not in args.skip:
         train_run("fp32", [], fp32_rate)
         with matmul_precision("high"):
@@ -243,6 +250,9 @@ def write(results: dict, out: Path) -> None:
                      f"{r['mfu_of_measured_matmul']:.1%} | {sheet} |")
     for label, error in results.get("failed", {}).items():
         lines.append(f"| {label} | failed: {error.replace('|', '/')} |" + " |" * 8)
+    if table := results.get("batch_host_time"):
+        lines += ["", "Host time of a step's batch (experiments/foundation/collate_time.py, this machine's CPU, 1 thread; "
+                  "a bf16 step waits for it):", "", *table]
     if d := results.get("determinism"):
         if d.get("exit_codes", [0, 0]) != [0, 0] or not all(d["steps"]) or len(set(d["steps"])) > 1:
             lines += ["", f"trainer.deterministic=true, two bf16 runs of one seed: not compared (exit statuses "
