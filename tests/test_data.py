@@ -552,7 +552,6 @@ def test_packed_sequences_are_the_sentences_as_views():
     assert len(packed[0]) == 3
 
 
-
 def test_a_batch_is_its_pairs_with_their_special_tokens_and_padding():
     """Built by one indexed copy from the packed ids (or a list of tensors), a batch is each chosen pair in the order
     asked, the source with </s>, the decoder's input after <s>, its labels with </s>, padded to the longest."""
@@ -575,10 +574,11 @@ def test_a_batch_is_its_pairs_with_their_special_tokens_and_padding():
             made = batch.src, batch.tgt_in, batch.tgt_out
             assert [t.tolist() for t in made] == list(expected) and {t.dtype for t in made} == {torch.int64}
             assert (batch.n_src_tokens, batch.n_tgt_tokens) == (sum(len(s) + 1 for s in src), sum(len(t) + 1 for t in tgt))
-        whole = collate(listed[0][:3], listed[1][:3], pad, bos, eos)  # without indices: every pair given
-        assert whole.src.tolist() == rows(packed[0][:3], [], [eos])
+    whole = collate(listed[0][:3], listed[1][:3], pad, bos, eos)  # without indices: every pair given
+    assert whole.src.tolist() == rows(packed[0][:3], [], [eos])
     ids, lengths = packed[0].take(torch.tensor([4, 1, 0]))
     assert ids.tolist() == packed[0][4].tolist() + packed[0][0].tolist() and lengths.tolist() == [7, 0, 3]
+
 
 def test_encoded_corpus_is_cached_by_text_and_tokenizer(tmp_path, monkeypatch):
     corpus = load_synthetic("de", "en", {"train": 200, "valid": 10, "test": 10}, 1, LengthDistribution())
