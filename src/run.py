@@ -121,45 +121,18 @@ def train(cfg: DictConfig) -> dict:
     if torch.cuda.is_initialized():  # and the blocks the allocator kept for it: this run's reserved memory is its own
         torch.cuda.empty_cache()
     reset_peak_rss()
-    try:
-        run_dir = Path(cfg.paths.output_dir)
-    except OmegaConfBaseException as e:  # composed in a notebook without it: one line, not OmegaConf's traceback
-        raise unresolved(e) from None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job = hydra_job()
-    if job and Path(job["output_dir"]).resolve() != run_dir.resolve():
-        log.warning("this run writes into paths.output_dir=%s, not into Hydra's run directory %s: a config that "
-                    "fixes paths.output_dir (a run's config.yaml) writes into that run; to run a run again, give "
-                    "its .hydra/config.yaml (README, Experiment presets)", run_dir, job["output_dir"])
-    summary: dict = {"status": "failed", "overrides": job.get("overrides", [])}
-    logger: RunLogger | None = None
-    # False while this attempt may still be refused before it starts (a resume whose checkpoint does not fit):
-    # until then it writes nothing over an earlier attempt's files, summary.json included
-    claimed = False
-    world = world_from_env()  # torchrun: this process's rank; rank 0 alone writes the run's files
+    world, job = world_from_env(), hydra_job()  # torchrun's rank (rank 0 alone writes the run's files); Hydra's job
+    record = RunRecord(_output_dir(cfg, job), job, world.main)
     threads = torch.get_num_threads()  # trainer.threads applies to this run only (a sweep's jobs share a process)
-    conf: dict | None = None
-    held = contextlib.ExitStack()  # this process's hold on run_dir (hold_run_dir), until summary.json is written
-    busy = False  # another live process holds run_dir: this one writes nothing there
-    logger_failed = False  # the logger itself could not start
-
-    def start_logger(resuming: bool) -> RunLogger:
-        """The run's config.yaml and its logger (metrics.jsonl, W&B)."""
-        write_text(run_dir / "config.yaml", OmegaConf.to_yaml(conf))
-        label = summary.get("strategy", "?")
-        wandb_config = {**conf, "strategy": label, "overrides": summary["overrides"]}
-        return RunLogger(run_dir, conf["logger"], wandb_config, name=run_name(label, summary["overrides"]),
-                         group=conf.get("sweep_name") or job.get("sweep_dir"), resuming=resuming)
-
     try:
-        conf = from_launch_dir(resolve_config(cfg))
+        record.conf = conf = from_launch_dir(resolve_config(cfg))
         strategy = memory_strategy(conf["memory"], conf["data"].get("max_tokens"))
-        summary["strategy"] = strategy.label
+        record.summary["strategy"] = strategy.label
         check_settings(conf)
         check_threads(conf["trainer"])
         device = world.device(resolve_device(conf["trainer"]["device"]))
         if world.main:
-            summary["environment"] = environment(device)
+            record.summary["environment"] = environment(device)
         check_one_slurm_task(world)
         if strategy.fsdp and not world.distributed:
             raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
@@ -167,48 +140,100 @@ def train(cfg: DictConfig) -> dict:
         tr = conf["trainer"]
         with (process_group(world, device), deterministic_algorithms(tr["deterministic"]),
               attention_backends(tr.get("attention")), matmul_precision(tr.get("matmul_precision", "highest"))):
-            run_dir = Path(world.broadcast(str(run_dir.resolve())))  # every rank reads and resumes rank 0's run
+            record.run_dir = run_dir = Path(world.broadcast(str(record.run_dir.resolve())))  # rank 0's, on every rank
             if world.main:
-                hold_run_dir(run_dir, held)
+                hold_run_dir(run_dir, record.held)
             ckpt_dir = checkpoint_dir(run_dir)
-            resume = resume_setting(conf["trainer"], ckpt_dir)
+            resume = resume_setting(tr, ckpt_dir)
             resumed = same_checkpoint_on_every_rank(world, find_resume(conf.get("ckpt_path"), resume, ckpt_dir))
             continues_here = resumed is not None and resumed[0].resolve().parent == ckpt_dir  # its own checkpoint
-
-            def begin() -> RunLogger | NullLogger:
-                """The run starts: its config and its logger (metrics.jsonl, W&B), on rank 0."""
-                nonlocal claimed, logger, logger_failed
-                claimed = True
-                if not world.main:
-                    return NullLogger()
-                if continues_here:  # the earlier attempt's results: this one's are written at its end (or failure)
-                    for name in ("summary.json", "test.hyp.txt"):
-                        (run_dir / name).unlink(missing_ok=True)
-                try:
-                    logger = start_logger(resuming=continues_here)
-                except Exception:
-                    logger_failed = True  # not started again to record the failure (W&B's server waited for once)
-                    raise
-                return logger
-
             if not continues_here:  # from step 0, or from another run's checkpoint (ckpt_path): a fresh start here
                 clear_for_fresh_start(ckpt_dir, resume, world.main, start=str(resumed[0]) if resumed else "step 0")
             if world.main:
                 remove_partial_writes(run_dir, ckpt_dir)
-            def relabel(label: str) -> None:
-                """memory=auto's choice, made once the data is read: the summary's and the W&B run's strategy."""
-                summary["strategy"] = label
-                if logger is not None:
-                    logger.relabel(label, run_name(label, summary["overrides"]))
-
-            summary.update(_run(conf, strategy, run_dir, begin, world, device, resumed, reached=summary,
-                                relabel=relabel))
-        summary["status"] = "completed"
-    except RunDirBusy:  # another live process's directory: nothing is written there
-        busy = True
-        raise
+            record.summary.update(_run(conf, strategy, run_dir, lambda: record.begin(continues_here), world, device,
+                                       resumed, reached=record.summary, relabel=record.relabel))
+        record.summary["status"] = "completed"
     except BaseException as e:
-        summary.update(_failure(e))
+        record.stopped(e)
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        record.close(wall_s=time.perf_counter() - started)
+        # the pages malloc kept for the run's freed tensors: a notebook's process would hold the run's peak until
+        # its next run (the next job of a sweep gives them back at its start). A collection here costs 0.2 s a run
+        # and returned nothing more (model=small, 20 steps: 338 MB resident after return either way, 550 without
+        # the trim, 235 before the run)
+        return_host_memory()
+    return record.summary
+
+
+def _output_dir(cfg: DictConfig, job: dict) -> Path:
+    """``paths.output_dir``, made; with a warning where it is not the directory Hydra made for the run."""
+    try:
+        run_dir = Path(cfg.paths.output_dir)
+    except OmegaConfBaseException as e:  # composed in a notebook without it: one line, not OmegaConf's traceback
+        raise unresolved(e) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if job and Path(job["output_dir"]).resolve() != run_dir.resolve():
+        log.warning("this run writes into paths.output_dir=%s, not into Hydra's run directory %s: a config that "
+                    "fixes paths.output_dir (a run's config.yaml) writes into that run; to run a run again, give "
+                    "its .hydra/config.yaml (README, Experiment presets)", run_dir, job["output_dir"])
+    return run_dir
+
+
+class RunRecord:
+    """What one attempt at a run writes about itself, on rank 0: its ``config.yaml`` and logger (metrics.jsonl,
+    W&B) when it begins, and ``summary.json`` when it ends, however it ends. ``held`` is this process's hold on the
+    run directory (``hold_run_dir``), until the summary is written."""
+
+    def __init__(self, run_dir: Path, job: dict, main: bool):
+        self.run_dir, self.job, self.main = run_dir, job, main
+        self.summary: dict = {"status": "failed", "overrides": self.job.get("overrides", [])}
+        self.conf: dict | None = None  # the resolved config, once it resolves
+        self.logger: RunLogger | None = None
+        # False while this attempt may still be refused before it starts (a resume whose checkpoint does not fit):
+        # until then it writes nothing over an earlier attempt's files, summary.json included
+        self.claimed = False
+        self.held = contextlib.ExitStack()
+        self.busy = False  # another live process holds run_dir: this one writes nothing there
+        self.logger_failed = False  # the logger itself could not start
+
+    def begin(self, continues_here: bool) -> RunLogger | NullLogger:
+        """The run starts: its config and its logger, on rank 0. ``continues_here``: it resumes its own checkpoint,
+        and the earlier attempt's results go (this one's are written at its end, or failure)."""
+        self.claimed = True
+        if not self.main:
+            return NullLogger()
+        if continues_here:
+            for name in ("summary.json", "test.hyp.txt"):
+                (self.run_dir / name).unlink(missing_ok=True)
+        try:
+            self.logger = self._start_logger(resuming=continues_here)
+        except Exception:
+            self.logger_failed = True  # not started again to record the failure (W&B's server waited for once)
+            raise
+        return self.logger
+
+    def _start_logger(self, resuming: bool) -> RunLogger:
+        write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(self.conf))
+        label, overrides = self.summary.get("strategy", "?"), self.summary["overrides"]
+        group = self.conf.get("sweep_name") or self.job.get("sweep_dir")
+        return RunLogger(self.run_dir, self.conf["logger"], {**self.conf, "strategy": label, "overrides": overrides},
+                         name=run_name(label, overrides), group=group, resuming=resuming)
+
+    def relabel(self, label: str) -> None:
+        """memory=auto's choice, made once the data is read: the summary's and the W&B run's strategy."""
+        self.summary["strategy"] = label
+        if self.logger is not None:
+            self.logger.relabel(label, run_name(label, self.summary["overrides"]))
+
+    def stopped(self, e: BaseException) -> None:
+        """The run stopped with ``e``: its status and error (none where another process holds its directory)."""
+        if isinstance(e, RunDirBusy):
+            self.busy = True
+            return
+        self.summary.update(_failure(e))
         if isinstance(e, torch.OutOfMemoryError):
             # The frames the error passed through hold the model, its optimizer state and the step's tensors, as
             # long as the error lives: in a notebook (IPython keeps the last one), on the card the next cell's run
@@ -216,32 +241,27 @@ def train(cfg: DictConfig) -> dict:
             for error in (e, e.__cause__, e.__context__):
                 if error is not None:
                     traceback.clear_frames(error.__traceback__)
-        raise
-    finally:
-        torch.set_num_threads(threads)
-        summary["wall_s"] = round(time.perf_counter() - started, 2)
-        summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        writes = world.main and not busy and (claimed or not holds_earlier_run(run_dir))
+
+    def close(self, wall_s: float) -> None:
+        """``summary.json``, unless another process holds the directory, or this attempt was refused before it
+        began and the directory holds an earlier run's results; then the logger's end and the hold let go."""
+        self.summary["wall_s"] = round(wall_s, 2)
+        self.summary["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        writes = self.main and not self.busy and (self.claimed or not holds_earlier_run(self.run_dir))
         if writes:
-            write_json(run_dir / "summary.json", summary)
-        if (writes and logger is None and not logger_failed and conf is not None
-                and summary["status"] in ("failed", "oom")):
+            write_json(self.run_dir / "summary.json", self.summary)
+        if (writes and self.logger is None and not self.logger_failed and self.conf is not None
+                and self.summary["status"] in ("failed", "oom")):
             # stopped by a setting before the run began (model.n_heads=3 in a sweep, say): its config and W&B run
             # record the failure too, as those of a run that failed later do
             try:
-                logger = start_logger(resuming=False)
+                self.logger = self._start_logger(resuming=False)
             except Exception as e:  # the logger's own settings, say: summary.json has the failure
-                if str(e) != summary.get("error"):  # (the run's own error is said once, by whoever raises it)
+                if str(e) != self.summary.get("error"):  # (the run's own error is said once, by whoever raises it)
                     log.warning("the failure is in summary.json only: no logger (%s: %s)", type(e).__name__, e)
-        if logger is not None:
-            logger.finish(summary)
-        held.close()
-        # the pages malloc kept for the run's freed tensors: a notebook's process would hold the run's peak until
-        # its next run (the next job of a sweep gives them back at its start). A collection here costs 0.2 s a run
-        # and returned nothing more (model=small, 20 steps: 338 MB resident after return either way, 550 without
-        # the trim, 235 before the run)
-        return_host_memory()
-    return summary
+        if self.logger is not None:
+            self.logger.finish(self.summary)
+        self.held.close()
 
 
 def _failure(e: BaseException) -> dict:
