@@ -31,9 +31,11 @@ an H200's ``max_memory_allocated`` the ten cases of experiments/planner are with
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -510,6 +512,11 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
                       "estimate_mb": round(est.allocated_bytes / MiB, 1)})  # what the budget is compared with
         return est.allocated_bytes <= budget_bytes
 
+    def fits(extra: dict, accum: int) -> bool:
+        """Whether the setting fits (recorded as tried where it does not)."""
+        candidate, est = plan(extra, accum)
+        return est.allocated_bytes <= budget_bytes or record(candidate, est)
+
     def out_of_reach(extra: dict) -> bool:
         """Whether not even micro-batches of one pair, the stage's least memory, fit (recorded if so)."""
         smallest, least = plan(extra, one_pair)
@@ -533,21 +540,26 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
             pairs.append(max(shape.pairs for shape in shapes(doublings[-1])))
         per_pair = (est.peak_bytes - least.peak_bytes) / (est.shape.pairs - 1)
         most_pairs = 1 + (budget_bytes - least.allocated_bytes) / per_pair if per_pair > 0 else est.shape.pairs
-        k = next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)
-        lo, hi = 0, len(doublings) - 1  # the last that does not fit, the first that does, as far as known
-        while hi - lo > 1:
-            candidate, est = plan(extra, doublings[k])
-            if est.allocated_bytes <= budget_bytes:
-                hi, k = k, k - 1
-            else:
-                record(candidate, est)
-                lo, k = k, k + 1
-            k = min(max(k, lo + 1), hi - 1)
-        candidate, est = plan(extra, doublings[hi])
+        guess = next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)
+        candidate, est = plan(extra, first_fitting(functools.partial(fits, extra), doublings, guess))
         record(candidate, est)
         return candidate, est, tried
     raise _nothing_fits(base, min((plan(extra, one_pair) for extra in stages), key=lambda planned: planned[1].peak_bytes),
                         world_size)
+
+
+def first_fitting(fits: Callable[[int], bool], values: list[int], guess: int) -> int:
+    """The first of ``values`` that ``fits``, where the first does not, the last does, and every one after one that
+    fits does too: asked first of ``values[guess]``, then one step at a time towards the answer, within the bounds
+    found so far. A right guess costs at most two questions: itself and the value before it."""
+    lo, hi, k = 0, len(values) - 1, guess  # the last that does not fit, the first that does, as far as known
+    while hi - lo > 1:
+        if fits(values[k]):
+            hi, k = k, k - 1
+        else:
+            lo, k = k, k + 1
+        k = min(max(k, lo + 1), hi - 1)
+    return values[hi]
 
 
 def _nothing_fits(base: MemoryStrategy, smallest: tuple[MemoryStrategy, Estimate], world_size: int) -> ConfigError:

@@ -1,6 +1,7 @@
 """The memory planner against real steps, memory=auto against its budget, and the out-of-memory back-off."""
 
 import dataclasses
+import functools
 import itertools
 import json
 import re
@@ -22,6 +23,7 @@ from src.planner import (
     StepShape,
     cost_note,
     estimate_step,
+    first_fitting,
     measure_step,
     worst_case_shapes,
 )
@@ -651,6 +653,26 @@ def test_auto_passes_over_stages_and_still_chooses_the_first_setting_that_fits(m
     with pytest.raises(ConfigError, match=r"45 MiB before overheads on each of 2 ranks;"):
         planner.choose_strategy(None, MemoryStrategy(budget_gb=1.0, fsdp=True), 40, 30, 24, 39 * MiB, world_size=2)
 
+
+
+def test_the_search_within_a_stage_finds_the_first_setting_that_fits_asking_little_of_a_right_guess():
+    """``first_fitting``, memory=auto's search among a stage's accumulation doublings: whatever the guess, the first
+    that fits, asked only of the values between the bounds known (the first does not fit, the last does); two
+    questions at most where the guess is right, and never more than there are values."""
+    for n in range(2, 10):
+        values = [2**i for i in range(n)]
+        for first, guess in itertools.product(range(1, n), range(n)):
+            asked = []
+            fits = functools.partial(_fits_from, values[first], asked)
+            assert first_fitting(fits, values, guess) == values[first]
+            assert all(values[0] <= v <= values[-1] for v in asked) and len(asked) < n
+            if guess == first:
+                assert len(asked) <= 2
+
+
+def _fits_from(least: int, asked: list[int], value: int) -> bool:
+    asked.append(value)
+    return value >= least
 
 @pytest.mark.slow
 def test_auto_without_a_budget_or_with_an_impossible_one_is_one_line(fast_cfg):
