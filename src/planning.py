@@ -73,6 +73,39 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
     if strategy.fsdp and plan.get("world_size") == 1:
         raise ConfigError("plan.world_size=1: memory=fsdp shards over 2 or more ranks (training refuses one); "
                           "plan one process without memory=fsdp")
+    src_len, tgt_len, src_vocab, tgt_vocab, shared = step_sizes(conf, strategy, plan)
+    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab,
+                      pad_id=1)  # any id: the estimate does not depend on it
+    ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
+    info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
+            "from_data": sorted(k for k in PLAN_SIZES if not plan.get(k)), "device": device}
+    world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
+    if world_size > 1:
+        info["world_size"] = world_size
+    # as the run: trainer.deterministic decides whether cuDNN's attention runs (kernels.cuda_kernel), and its
+    # CUBLAS_WORKSPACE_CONFIG cuBLAS's workspaces
+    attention = conf["trainer"].get("attention")
+    with deterministic_algorithms(conf["trainer"]["deterministic"]):
+        if strategy.auto:
+            budget = usable_budget(conf, strategy, device)
+            strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
+                                                                   conf["data"]["batch_size"], budget, "bf16", ls,
+                                                                   clip, device, world_size, configured, attention)
+        else:
+            shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
+                                               strategy.accum_steps)
+            est = planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device, attention)
+        if attention is not None:  # what plan.py says it planned: the setting, and on CUDA the kernel it runs
+            kernels = planned_attention(attention, device, args, half=strategy.amp is not None)
+            info["attention"] = {"setting": shown(attention_names(attention)),
+                                 "math": device == "cuda" and kernels == [SDPBackend.MATH]}
+    return strategy, est, info
+
+
+def step_sizes(conf: dict, strategy: MemoryStrategy, plan: dict) -> tuple[int, int, int, int, bool]:
+    """The longest source and target a step holds and the two vocabularies' sizes, and whether the vocabulary is
+    one for both sides: from ``plan.*`` where given, else from the training data as training prepares it; the
+    lengths cut as memory=truncate cuts them, and checked against the model's positions and the token budget."""
     shared = conf["tokenizer"]["name"] == "xlmr"  # one vocabulary for both sides
     measured: dict = {}
     if not sizes_given(plan):
@@ -102,30 +135,4 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
             check_token_budget(strategy.max_tokens, max(src_len, tgt_len) + 1)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab,
-                      pad_id=1)  # any id: the estimate does not depend on it
-    ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
-    info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
-            "from_data": sorted(k for k in PLAN_SIZES if not plan.get(k)), "device": device}
-    world_size = plan.get("world_size") or (2 if strategy.fsdp else 1)
-    if world_size > 1:
-        info["world_size"] = world_size
-    # as the run: trainer.deterministic decides whether cuDNN's attention runs (kernels.cuda_kernel), and its
-    # CUBLAS_WORKSPACE_CONFIG cuBLAS's workspaces
-    attention = conf["trainer"].get("attention")
-    with deterministic_algorithms(conf["trainer"]["deterministic"]):
-        if strategy.auto:
-            budget = usable_budget(conf, strategy, device)
-            strategy, est, info["tried"] = planner.choose_strategy(args, strategy, src_len, tgt_len,
-                                                                   conf["data"]["batch_size"], budget, "bf16", ls,
-                                                                   clip, device, world_size, configured, attention)
-        else:
-            shapes = planner.worst_case_shapes(src_len, tgt_len, conf["data"]["batch_size"], strategy.max_tokens,
-                                               strategy.accum_steps)
-            est = planner.estimate_worst(args, strategy, shapes, ls, clip, world_size, device, attention)
-        if attention is not None:  # what plan.py says it planned: the setting, and on CUDA the kernel it runs
-            kernels = planned_attention(attention, device, args, half=strategy.amp is not None)
-            info["attention"] = {"setting": shown(attention_names(attention)),
-                                 "math": device == "cuda" and kernels == [SDPBackend.MATH]}
-    return strategy, est, info
-
+    return src_len, tgt_len, src_vocab, tgt_vocab, shared
