@@ -103,6 +103,31 @@ def run_name(label: str, overrides: list[str]) -> str:
     return " ".join([label, *(o for o in overrides if not told(o))])
 
 
+def wandb_mode(settings: dict) -> tuple[str, str]:
+    """W&B's mode and where it is set (``WANDB_MODE``, else ``logger.wandb.mode``). WANDB_MODE wins; the setting
+    is checked too, or its typo would show only on a machine without the variable."""
+    modes = [("logger.wandb.mode", settings.get("mode", "offline"))]
+    if os.environ.get("WANDB_MODE"):
+        modes.append(("WANDB_MODE", os.environ["WANDB_MODE"]))
+    for source, mode in modes:
+        if mode not in WANDB_MODES:
+            close = difflib.get_close_matches(str(mode), WANDB_MODES[:3], n=1)
+            raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}"
+                              + (f"; did you mean {close[0]}?" if close else ""))
+    return modes[-1]
+
+
+def wandb_tags(settings: dict) -> list[str]:
+    """The run's tags (``logger.wandb.tags=memory``: one tag), within W&B's limit, said before the run starts
+    rather than in its validation traceback."""
+    tags = settings.get("tags") or []
+    tags = [tags] if isinstance(tags, str) else [str(t) for t in tags]
+    for tag in tags:
+        if not 1 <= len(tag) <= 64:
+            raise ConfigError(f"tags={tags}: a W&B tag has 1 to 64 characters; '{tag}' has {len(tag)}")
+    return tags
+
+
 class WandbLogger:
     """Weights & Biases (``logger=wandb``): one run per job, started before the data is read (a setting W&B refuses
     is found at once)."""
@@ -113,21 +138,8 @@ class WandbLogger:
 
         self.samples = int(settings.get("samples") or 0)
         self._logged = False
-        # WANDB_MODE wins; the setting is checked too, or its typo would show only on a machine without the variable
-        modes = [("logger.wandb.mode", settings.get("mode", "offline"))]
-        if os.environ.get("WANDB_MODE"):
-            modes.append(("WANDB_MODE", os.environ["WANDB_MODE"]))
-        for source, mode in modes:
-            if mode not in WANDB_MODES:
-                close = difflib.get_close_matches(str(mode), WANDB_MODES[:3], n=1)
-                raise ConfigError(f"{source}={mode}: expected one of {', '.join(WANDB_MODES)}"
-                                  + (f"; did you mean {close[0]}?" if close else ""))
-        source, mode = modes[-1]
-        tags = settings.get("tags") or []
-        tags = [tags] if isinstance(tags, str) else [str(t) for t in tags]  # logger.wandb.tags=memory: one tag
-        for tag in tags:  # W&B's limit, said before the run starts rather than in its validation traceback
-            if not 1 <= len(tag) <= 64:
-                raise ConfigError(f"tags={tags}: a W&B tag has 1 to 64 characters; '{tag}' has {len(tag)}")
+        source, mode = wandb_mode(settings)
+        tags = wandb_tags(settings)
         id_file = run_dir / WANDB_ID_FILE
         run_id = None
         if resuming and id_file.is_file():
