@@ -74,8 +74,7 @@ def plan_config(conf: dict, configured: planner.Estimate | None = None) -> tuple
         raise ConfigError("plan.world_size=1: memory=fsdp shards over 2 or more ranks (training refuses one); "
                           "plan one process without memory=fsdp")
     src_len, tgt_len, src_vocab, tgt_vocab, shared = step_sizes(conf, strategy, plan)
-    args = model_args(conf["model"], src_vocab, tgt_vocab, shared and src_vocab == tgt_vocab,
-                      pad_id=1)  # any id: the estimate does not depend on it
+    args = model_args(conf["model"], src_vocab, tgt_vocab, shared, pad_id=1)  # any id: the estimate does not use it
     ls, clip = conf["optim"]["label_smoothing"], conf["optim"]["clip_grad_norm"]
     info = {"src_len": src_len, "tgt_len": tgt_len, "src_vocab": src_vocab, "tgt_vocab": tgt_vocab,
             "from_data": sorted(k for k in PLAN_SIZES if not plan.get(k)), "device": device}
