@@ -565,6 +565,8 @@ def test_the_docs_table_lists_every_case_tried():
                                                            "a logger option with no logger behind it",
                                                            "a run directory another process is running in",  # test_resume.py
                                                            "resuming another model's checkpoint",  # test_resume.py
+                                                           # test_data.py (a race: the files change mid-run)
+                                                           "training files rewritten while a run reads them",
                                                            "a target language whose BLEU tokenizer is not installed"}
     assert documented == tried
     assert len(tried) >= 12
