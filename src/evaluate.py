@@ -177,18 +177,17 @@ def beam_search(
         parent = torch.arange(len(sent), device=device).unsqueeze(1) * k + index // vocab  # the row it extends
         token = index % vocab
         ends = token == eos_id
-        for i, j in (ends[:, :k] & top[:, :k].isfinite()).nonzero().tolist():  # only the best k may finish
-            if limit[sent[i]] <= step:  # a max_len of 0: nothing
-                continue
-            ids = history[parent[i, j]].tolist() + [eos_id]
-            finished[sent[i]].append((top[i, j].item() / length_penalty(step + 1, alpha), ids))
+        ending = [(i, j) for i, j in (ends[:, :k] & top[:, :k].isfinite()).nonzero().tolist()  # only the best k
+                  if limit[sent[i]] > step]  # a max_len of 0: nothing
+        _set_aside(finished, sent, ending, history, parent, token, top, length_penalty(step + 1, alpha))
         go_on = (~ends).int().argsort(dim=-1, descending=True, stable=True)[:, :k]  # the best k that do not end
         scores, parent, token = top.gather(1, go_on), parent.gather(1, go_on), token.gather(1, go_on)
-        for i, s in enumerate(sent):  # at its max_len, a sentence's open hypotheses count as they are
-            if limit[s] == step + 1 and len(finished[s]) < k:
-                for j in scores[i].isfinite().nonzero().flatten().tolist():
-                    ids = history[parent[i, j]].tolist() + [token[i, j].item()]
-                    finished[s].append((scores[i, j].item() / length_penalty(step + 1, alpha), ids))
+        # at its max_len, a sentence's open hypotheses count as they are
+        at_limit = [i for i, s in enumerate(sent) if limit[s] == step + 1 and len(finished[s]) < k]
+        if at_limit:
+            finite = scores.isfinite().tolist()
+            _set_aside(finished, sent, [(i, j) for i in at_limit for j in range(k) if finite[i][j]], history,
+                       parent, token, scores, length_penalty(step + 1, alpha))
         still_open = [len(finished[s]) < k and limit[s] > step + 1 for s in sent]
         if not any(still_open):
             break
@@ -211,6 +210,18 @@ def beam_search(
     for i, (_, ids) in enumerate(best):
         out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
     return out, torch.tensor([score for score, _ in best])
+
+
+def _set_aside(finished: list[list[tuple[float, list[int]]]], sent: list[int], where: list[tuple[int, int]],
+               history: Tensor, parent: Tensor, token: Tensor, score: Tensor, penalty: float) -> None:
+    """Add the hypotheses at ``where`` (pairs of open sentence, candidate) to their sentences' ``finished`` ones:
+    the tokens of the row each extends, then its token. Two copies to the host for them all, not two for each."""
+    if not where:
+        return
+    i, j = torch.tensor(where, device=history.device).unbind(1)
+    ids = torch.cat([history[parent[i, j]], token[i, j].unsqueeze(1)], dim=1).tolist()
+    for (row, _), s, h in zip(where, score[i, j].tolist(), ids):
+        finished[sent[row]].append((s / penalty, h))
 
 
 def translate_ids(
