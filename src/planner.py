@@ -533,19 +533,27 @@ def choose_strategy(args: ModelArgs, strategy: MemoryStrategy, longest_src: int,
             return candidate, est, tried
         if est.shape.pairs == 1 or (i == 0 and out_of_reach(extra)):  # no accumulation makes this stage fit
             continue
-        least = plan(extra, one_pair)[1]
-        doublings, pairs = [est.shape.accum_steps], [est.shape.pairs]  # the first does not fit; the last does
-        while pairs[-1] > 1:  # up to one pair per micro-batch
-            doublings.append(doublings[-1] * 2)
-            pairs.append(max(shape.pairs for shape in shapes(doublings[-1])))
-        per_pair = (est.peak_bytes - least.peak_bytes) / (est.shape.pairs - 1)
-        most_pairs = 1 + (budget_bytes - least.allocated_bytes) / per_pair if per_pair > 0 else est.shape.pairs
-        guess = next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)
+        doublings, guess = _doublings(est, plan(extra, one_pair)[1], shapes, budget_bytes)
         candidate, est = plan(extra, first_fitting(functools.partial(fits, extra), doublings, guess))
         record(candidate, est)
         return candidate, est, tried
     raise _nothing_fits(base, min((plan(extra, one_pair) for extra in stages), key=lambda planned: planned[1].peak_bytes),
                         world_size)
+
+
+def _doublings(configured: Estimate, least: Estimate, shapes: Callable[[int], tuple[StepShape, ...]],
+               budget_bytes: float) -> tuple[list[int], int]:
+    """The accumulation steps to search within a stage, doubling from ``configured``'s (which does not fit) up to
+    micro-batches of one pair (``least``, which fits), and the index of the first that the line through those two
+    estimates predicts to fit: the peak is close to affine in pairs per micro-batch. ``shapes``: a setting's
+    worst-case micro-batch shapes."""
+    doublings, pairs = [configured.shape.accum_steps], [configured.shape.pairs]
+    while pairs[-1] > 1:  # up to one pair per micro-batch
+        doublings.append(doublings[-1] * 2)
+        pairs.append(max(shape.pairs for shape in shapes(doublings[-1])))
+    per_pair = (configured.peak_bytes - least.peak_bytes) / (configured.shape.pairs - 1)
+    most_pairs = 1 + (budget_bytes - least.allocated_bytes) / per_pair if per_pair > 0 else configured.shape.pairs
+    return doublings, next((j for j in range(1, len(doublings)) if pairs[j] <= most_pairs), len(doublings) - 1)
 
 
 def first_fitting(fits: Callable[[int], bool], values: list[int], guess: int) -> int:
