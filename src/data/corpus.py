@@ -220,32 +220,8 @@ def iter_lines(path: str | Path, blank_ok: bool = False) -> Iterator[str]:
     read, without a decoded copy of the whole file or a list of its lines beside the bytes (a peak of 2 times the
     file's size, against 4 with both; experiments/foundation). The file's problems are found before the first line
     is given, but for one line's invalid UTF-8, found at that line."""
-    if str(path) == "-":
-        path, raw = "<stdin>", sys.stdin.buffer.read()
-    else:
-        path = Path(path)
-        if not path.exists():
-            raise DataError(f"{path}: file not found")
-        if path.is_dir():  # a pipe is read like a file: translate.py --input <(zcat test.de.gz | head)
-            raise DataError(f"{path}: is a directory; give a text file, one sentence per line")
-        opener = gzip.open if path.suffix == ".gz" else open
-        try:
-            with opener(path, "rb") as f:
-                raw = f.read()
-        except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged compressed stream
-            raise DataError(f"{path}: cannot read ({e})") from None
-    if raw.startswith(b"\x1f\x8b"):  # gzip's magic number: compressed, without the .gz name that says so
-        raise DataError(f"{path}: gzip-compressed data; name the file with .gz, or decompress it (gunzip)")
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    if not raw.strip() and not blank_ok:
-        raise DataError(f"{path}: file is empty")
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or raw.count(b"\x00") > len(raw) // 4:  # a BOM, or every other
-        raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")  # byte NUL (Latin text)
-    if (nul := raw.find(b"\x00")) >= 0:  # text has none; UTF-16 of other scripts decodes as "valid" UTF-8
-        line = raw.count(b"\n", 0, nul) + 1
-        raise DataError(f"{path}:{line}: a NUL byte, which text does not hold (UTF-16? binary?); convert the file "
-                        "to UTF-8 text")
+    path, raw = _read_bytes(path)
+    raw = _checked_text_bytes(path, raw, blank_ok)
     cr = b"\r" in raw
     mac = cr and b"\n" not in raw and (raw.count(b"\r") > 1 or raw.endswith(b"\r"))  # lines ended with \r alone
     stray = []  # the lines holding a carriage return, from 1
@@ -269,6 +245,44 @@ def iter_lines(path: str | Path, blank_ok: bool = False) -> Iterator[str]:
     if stray:
         log.warning("%s: %d line(s) hold a carriage return (the first: line %d); read as a space", path, len(stray),
                     stray[0])
+
+
+def _read_bytes(path: str | Path) -> tuple[str | Path, bytes]:
+    """A file's bytes, decompressed where its name ends in .gz, and the name to give it in errors (``-``: standard
+    input)."""
+    if str(path) == "-":
+        path, raw = "<stdin>", sys.stdin.buffer.read()
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"{path}: file not found")
+        if path.is_dir():  # a pipe is read like a file: translate.py --input <(zcat test.de.gz | head)
+            raise DataError(f"{path}: is a directory; give a text file, one sentence per line")
+        opener = gzip.open if path.suffix == ".gz" else open
+        try:
+            with opener(path, "rb") as f:
+                raw = f.read()
+        except (OSError, EOFError, zlib.error) as e:  # zlib.error: a damaged compressed stream
+            raise DataError(f"{path}: cannot read ({e})") from None
+    return path, raw
+
+
+def _checked_text_bytes(path: str | Path, raw: bytes, blank_ok: bool) -> bytes:
+    """``raw`` without a byte-order mark, refused where it is not UTF-8 text: gzip data, UTF-16, NUL bytes, or
+    nothing (but blank lines where ``blank_ok``)."""
+    if raw.startswith(b"\x1f\x8b"):  # gzip's magic number: compressed, without the .gz name that says so
+        raise DataError(f"{path}: gzip-compressed data; name the file with .gz, or decompress it (gunzip)")
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    if not raw.strip() and not blank_ok:
+        raise DataError(f"{path}: file is empty")
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or raw.count(b"\x00") > len(raw) // 4:  # a BOM, or every other
+        raise DataError(f"{path}: looks like UTF-16, not UTF-8; convert the file to UTF-8")  # byte NUL (Latin text)
+    if (nul := raw.find(b"\x00")) >= 0:  # text has none; UTF-16 of other scripts decodes as "valid" UTF-8
+        line = raw.count(b"\n", 0, nul) + 1
+        raise DataError(f"{path}:{line}: a NUL byte, which text does not hold (UTF-16? binary?); convert the file "
+                        "to UTF-8 text")
+    return raw
 
 
 def every_problem(calls: list[Callable[[], T]]) -> list[T]:
