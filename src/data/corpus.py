@@ -178,34 +178,42 @@ def check_data(data: dict) -> None:
     for key in ("src_lang", "tgt_lang"):
         if not isinstance(data.get(key), str):
             raise ConfigError(f"data.{key}={data.get(key)}: expected a language code, e.g. de")
+    checks = {"synthetic": _check_synthetic, "multi30k": _check_multi30k, "files": _check_files}
     name = data.get("name")
-    if name == "synthetic":
-        for split in SPLITS:
-            check_int(f"data.{split}_size", data.get(f"{split}_size"), 1)
-        check_int("data.seed", data.get("seed"), 0)
-        for key in ("max_clauses", "long_clauses"):
-            check_int(f"data.{key}", data.get(key), 1)
-        check_number("data.continue_prob", data.get("continue_prob"), 0, below=1)
-        check_number("data.long_fraction", data.get("long_fraction"), 0)  # at most 1: LengthDistribution says so
-    elif name == "multi30k":
-        if data.get("root") == "":  # the default reads MULTI30K_ROOT, which may be set to nothing
-            raise ConfigError("data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the "
-                              "Multi30k raw files, or to null to download them")
-        root = data.get("root")
-        if root is not None and not isinstance(root, str):  # data.root=2016: Hydra reads a number
-            raise ConfigError(f"data.root={root}: expected a folder path; quote one made of digits: "
-                              f"'data.root=\"{root}\"'")
-        url = data.get("url")
-        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://", "file://"))):
-            raise ConfigError(f"data.url={url}: expected an http://, https:// or file:// address; a folder of the "
-                              "raw files is data.root")
-    elif name == "files":
-        for split in SPLITS:
-            prefix = data.get(f"{split}_prefix")
-            if prefix is not None and not isinstance(prefix, str):
-                raise ConfigError(f"data.{split}_prefix={prefix}: expected a path prefix, e.g. /data/wmt/{split}")
-    else:
+    if not isinstance(name, str) or name not in checks:  # (a list is not hashable)
         raise ConfigError(f"data.name={name!r}: expected synthetic, multi30k or files")
+    checks[name](data)
+
+
+def _check_synthetic(data: dict) -> None:
+    for split in SPLITS:
+        check_int(f"data.{split}_size", data.get(f"{split}_size"), 1)
+    check_int("data.seed", data.get("seed"), 0)
+    for key in ("max_clauses", "long_clauses"):
+        check_int(f"data.{key}", data.get(key), 1)
+    check_number("data.continue_prob", data.get("continue_prob"), 0, below=1)
+    check_number("data.long_fraction", data.get("long_fraction"), 0)  # at most 1: LengthDistribution says so
+
+
+def _check_multi30k(data: dict) -> None:
+    if data.get("root") == "":  # the default reads MULTI30K_ROOT, which may be set to nothing
+        raise ConfigError("data.root is empty (MULTI30K_ROOT set to nothing?): set it to the folder of the "
+                          "Multi30k raw files, or to null to download them")
+    root = data.get("root")
+    if root is not None and not isinstance(root, str):  # data.root=2016: Hydra reads a number
+        raise ConfigError(f"data.root={root}: expected a folder path; quote one made of digits: "
+                          f"'data.root=\"{root}\"'")
+    url = data.get("url")
+    if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://", "file://"))):
+        raise ConfigError(f"data.url={url}: expected an http://, https:// or file:// address; a folder of the "
+                          "raw files is data.root")
+
+
+def _check_files(data: dict) -> None:
+    for split in SPLITS:
+        prefix = data.get(f"{split}_prefix")
+        if prefix is not None and not isinstance(prefix, str):
+            raise ConfigError(f"data.{split}_prefix={prefix}: expected a path prefix, e.g. /data/wmt/{split}")
 
 
 def read_lines(path: str | Path, blank_ok: bool = False) -> list[str]:
