@@ -415,7 +415,6 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
     ``ConfigError`` with the problems found where nothing is left to leave out."""
     import yaml
     from hydra.errors import ConfigCompositionException, MissingConfigException
-    from omegaconf.errors import ValidationError
 
     while True:
         try:
@@ -430,25 +429,7 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
             problems.append(f"{group}={name}: no such option; {group} is one of {', '.join(options)}")
             wrong = group
         except ConfigCompositionException as e:
-            wrong = getattr(e.__cause__, "full_key", None)
-            deleted = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
-            there = re.match(r"Could not append to config. An item is already at '([^']+)'", str(e))
-            if there:  # +seed=5: Hydra's line said what, not what to type
-                wrong = there.group(1)
-                added = next((o for o in overrides if o.startswith("+") and _sets(o, wrong)), f"+{wrong}")
-                problems.append(f"{added}: {wrong} is there already; set it without +: {added.lstrip('+')}")
-            elif deleted:  # Hydra takes a key whose value is null for one that does not exist
-                wrong = deleted.group(1)
-                null = _get(_defaults(tuple(_composing(overrides))), wrong) is None
-                problems.append(f"~{wrong}: {wrong} is null already; nothing to delete" if null
-                                else _unknown_key(wrong, overrides))
-            elif not wrong:
-                raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
-            elif isinstance(e.__cause__, ValidationError):  # a typed key (Hydra's, a launcher's): a value of another type
-                given = next((o for o in overrides if _sets(o, wrong)), wrong)
-                problems.append(f"{given}: {str(e.__cause__).splitlines()[0]}")
-            else:
-                problems.append(_unknown_key(wrong, overrides))
+            wrong = _composition_problem(e, overrides, problems)
         except yaml.MarkedYAMLError as e:  # a config file of one's own that is not YAML
             mark = e.problem_mark
             where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else "a config file"
@@ -464,6 +445,33 @@ def _compose_leaving_out_unknown(overrides: list[str], problems: list[str]):
         if len(rest) == len(overrides):  # nothing to leave out: what is known so far
             raise ConfigError("\n".join(problems))
         overrides = rest
+
+
+def _composition_problem(e, overrides: list[str], problems: list[str]) -> str:
+    """The key a ``ConfigCompositionException`` is about, its problem added to ``problems``; ``ConfigError`` with
+    the problems found where it names no key."""
+    from omegaconf.errors import ValidationError
+
+    wrong = getattr(e.__cause__, "full_key", None)
+    deleted = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
+    there = re.match(r"Could not append to config. An item is already at '([^']+)'", str(e))
+    if there:  # +seed=5: Hydra's line said what, not what to type
+        wrong = there.group(1)
+        added = next((o for o in overrides if o.startswith("+") and _sets(o, wrong)), f"+{wrong}")
+        problems.append(f"{added}: {wrong} is there already; set it without +: {added.lstrip('+')}")
+    elif deleted:  # Hydra takes a key whose value is null for one that does not exist
+        wrong = deleted.group(1)
+        null = _get(_defaults(tuple(_composing(overrides))), wrong) is None
+        problems.append(f"~{wrong}: {wrong} is null already; nothing to delete" if null
+                        else _unknown_key(wrong, overrides))
+    elif not wrong:
+        raise ConfigError("\n".join([*problems, str(e).splitlines()[0]])) from None
+    elif isinstance(e.__cause__, ValidationError):  # a typed key (Hydra's, a launcher's): a value of another type
+        given = next((o for o in overrides if _sets(o, wrong)), wrong)
+        problems.append(f"{given}: {str(e.__cause__).splitlines()[0]}")
+    else:
+        problems.append(_unknown_key(wrong, overrides))
+    return wrong
 
 
 def _decodes(path: Path) -> bool:
