@@ -69,25 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     from src.settings import resolve_device
 
     try:
-        if not to_stdout and Path(args.output).is_dir():  # said now, not after decoding
-            raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")
-        for flag, path in (("--input", args.input), ("--reference", args.reference)):
-            if (not to_stdout and path not in (None, "-") and Path(path).exists() and Path(args.output).exists()
-                    and Path(path).samefile(args.output)):
-                raise UserError(f"--output {args.output}: is the {flag} file; the translations would replace it")
+        if not to_stdout:
+            check_output(args)
         device = resolve_device(args.device, key="--device ")
         files = [f for p in args.checkpoint for f in checkpoint_files(Path(p).expanduser().resolve())]
         # the text before the model: a missing or mismatched file is said before seconds of loading a checkpoint
-        if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
-            print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
-        sources = read_lines(args.input, blank_ok=True)
-        references = read_lines(args.reference) if args.reference else None
-        if references is not None:
-            check_line_counts("standard input" if args.input == "-" else args.input, sources, args.reference,
-                              references)
-        if references is not None and (blank := [i for i, r in enumerate(references, 1) if not r.strip()]):
-            print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
-                  "each scored as a reference of no words", file=sys.stderr)
+        sources, references = read_text(args)
         model, src_codec, tgt_codec, ckpt = load_translator(files, device, args.tokenizer)
         print("checkpoints: " + ", ".join(map(str, files)) + (" (weights averaged)" if len(files) > 1 else ""),
               file=sys.stderr)
@@ -113,6 +100,31 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(score(hyps, references, tgt_codec.lowercase, tgt_lang)),
               file=sys.stderr if to_stdout else sys.stdout)
     return 0
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """--output's problems, said before decoding, not after: a directory, or the --input or --reference file."""
+    if Path(args.output).is_dir():
+        raise UserError(f"--output {args.output}: is a directory; name a file (or - for standard output)")
+    for flag, path in (("--input", args.input), ("--reference", args.reference)):
+        if (path not in (None, "-") and Path(path).exists() and Path(args.output).exists()
+                and Path(path).samefile(args.output)):
+            raise UserError(f"--output {args.output}: is the {flag} file; the translations would replace it")
+
+
+def read_text(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """--input's sentences and --reference's, line for line (None without one); empty references are warned of."""
+    if args.input == "-" and sys.stdin.isatty():  # typed at a terminal: say what it waits for
+        print("reading sentences from standard input, one per line; end with Ctrl-D", file=sys.stderr)
+    sources = read_lines(args.input, blank_ok=True)
+    if not args.reference:
+        return sources, None
+    references = read_lines(args.reference)
+    check_line_counts("standard input" if args.input == "-" else args.input, sources, args.reference, references)
+    if blank := [i for i, r in enumerate(references, 1) if not r.strip()]:
+        print(f"warning: {args.reference}: {len(blank)} empty reference line(s) (the first: line {blank[0]}), "
+              "each scored as a reference of no words", file=sys.stderr)
+    return sources, references
 
 
 def translate_lines(checkpoint, sentences: list[str], device: str = "auto", tokenizer: str | None = None,
