@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -29,10 +30,7 @@ log = logging.getLogger("train")
 def main(cfg: DictConfig) -> float:
     # torch and the run's modules are imported here, once a run begins: --help, --cfg and a mistyped override are
     # answered without them (in 0.4-0.8 s rather than 2)
-    import torch
-
     from src.distributed import world_from_env
-    from src.faults import pass_on_signal
     from src.run import train
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -41,37 +39,53 @@ def main(cfg: DictConfig) -> float:
     try:
         summary = train(cfg)
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM / SIGUSR2: a checkpoint was written (summary: interrupted)
-        log.error("interrupted: %s", str(e) or "SIGINT, stopped at once (before training or a second SIGINT): no "
-                  "checkpoint written for this stop")
-        signum = getattr(e, "signum", signal.SIGINT)
-        hydra_cfg = HydraConfig.get()
-        if multirun and hydra_cfg.launcher._target_.endswith(".BasicLauncher") and "sweep_report" in hydra_cfg.callbacks:
-            # The sweep's jobs run in this process, so the signal stops the sweep, and its end-of-sweep callbacks
-            # will not run: the report of the jobs it ran, this one interrupted. (A job of submitit's launchers is
-            # a process of its own: the sweep goes on, and reports at its end.)
-            log.error("sweep stopped at job %s; its report holds the jobs it ran", hydra_cfg.job.num)
-            sweep.write_sweep_report(hydra_cfg.sweep.dir)
-        pass_on_signal(signum)  # submitit's SIGUSR2: it requeues the SLURM job, which resumes
-        sys.exit(128 + signum)
+        interrupted(e, multirun)
     except Exception as e:  # summary.json and the W&B run already record it
-        if isinstance(e, UserError):
-            for problem in str(e).splitlines():  # one line each, naming the key, file or line
-                log.error("error: %s", problem)
-        # out of memory after the back-offs: src/run.py logged its one line (the sizes tried, the memory snapshot)
-        told = isinstance(e, (UserError, torch.OutOfMemoryError))
-        if told and log.disabled:  # hydra/job_logging=disabled: the run's loggers are off, its error still shows
-            print(error_lines(e) if isinstance(e, UserError) else f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        if not multirun:
-            if told:
-                sys.exit(1)
-            raise
-        if not told:
-            log.error("job failed", exc_info=e)
-        return math.nan  # a failed trial, to a sweeper that optimizes the returned value (and the next job starts)
+        return failed(e, multirun)
     if "test_bleu" not in summary:  # torchrun: ranks other than 0 neither evaluate nor print
         return math.nan
     print(final_line(summary, cfg.paths.output_dir))
     return summary["valid_bleu"]  # the value a Hydra sweeper (e.g. Optuna) maximizes
+
+
+def interrupted(e: KeyboardInterrupt, multirun: bool) -> NoReturn:
+    """A run stopped by a signal: said, a sweep run in this process reported, the signal passed on, and the
+    process ended with the signal's exit status."""
+    from src.faults import pass_on_signal
+
+    log.error("interrupted: %s", str(e) or "SIGINT, stopped at once (before training or a second SIGINT): no "
+              "checkpoint written for this stop")
+    signum = getattr(e, "signum", signal.SIGINT)
+    hydra_cfg = HydraConfig.get()
+    if multirun and hydra_cfg.launcher._target_.endswith(".BasicLauncher") and "sweep_report" in hydra_cfg.callbacks:
+        # The sweep's jobs run in this process, so the signal stops the sweep, and its end-of-sweep callbacks
+        # will not run: the report of the jobs it ran, this one interrupted. (A job of submitit's launchers is
+        # a process of its own: the sweep goes on, and reports at its end.)
+        log.error("sweep stopped at job %s; its report holds the jobs it ran", hydra_cfg.job.num)
+        sweep.write_sweep_report(hydra_cfg.sweep.dir)
+    pass_on_signal(signum)  # submitit's SIGUSR2: it requeues the SLURM job, which resumes
+    sys.exit(128 + signum)
+
+
+def failed(e: Exception, multirun: bool) -> float:
+    """A run that failed: a user's mistake in one line each (and out of memory, which src/run.py said), the process
+    ended with status 1 (a traceback for anything else); in a sweep, NaN, and the next job starts."""
+    import torch  # (imported by src.run already)
+
+    if isinstance(e, UserError):
+        for problem in str(e).splitlines():  # one line each, naming the key, file or line
+            log.error("error: %s", problem)
+    # out of memory after the back-offs: src/run.py logged its one line (the sizes tried, the memory snapshot)
+    told = isinstance(e, (UserError, torch.OutOfMemoryError))
+    if told and log.disabled:  # hydra/job_logging=disabled: the run's loggers are off, its error still shows
+        print(error_lines(e) if isinstance(e, UserError) else f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    if not multirun:
+        if told:
+            sys.exit(1)
+        raise  # (the exception being handled, in main)
+    if not told:
+        log.error("job failed", exc_info=e)
+    return math.nan  # a failed trial, to a sweeper that optimizes the returned value (and the next job starts)
 
 
 def final_line(summary: dict, output_dir: str) -> str:
