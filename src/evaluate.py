@@ -49,7 +49,7 @@ def validation_loss(
     """Per-token label-smoothed loss and negative log-likelihood (and its perplexity) over a split."""
     model.eval()
     sizes = pair_sizes(split)
-    loss = nll = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # summed where computed: no host copy a batch
     tokens = 0
     pin = torch.device(device).type == "cuda"
     for idx in batch_indices(sizes, batch_size, shuffle=False):
@@ -57,7 +57,9 @@ def validation_loss(
         b = b.to(device)
         with autocast():
             ls, ns = batch_loss(model, b, codec.pad_id, label_smoothing, loss_chunk)
-        loss, nll, tokens = loss + ls.item(), nll + ns.item(), tokens + b.n_tgt_tokens
+        sums += torch.stack([ls, ns]).double()
+        tokens += b.n_tgt_tokens
+    loss, nll = sums.tolist()
     tokens = max(tokens, 1)
     return {"loss": loss / tokens, "nll": nll / tokens, "ppl": float(torch.tensor(nll / tokens).exp())}
 

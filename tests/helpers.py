@@ -70,6 +70,19 @@ def rel_update_diff(u: list[torch.Tensor], v: list[torch.Tensor]) -> float:
     return ((flat_u - flat_v).norm() / flat_v.norm()).item()
 
 
+def count_host_copies(monkeypatch, of=lambda tensor: True) -> list:
+    """A list that grows by one at each ``.item()`` or ``.tolist()`` of a tensor that is ``of`` the kind counted (on
+    a GPU, each waits for the device to catch up); ``clear()`` it to count from there."""
+    copies: list = []
+
+    def counted(real):
+        return lambda t, *a, **k: (copies.append(1) if of(t) else None) or real(t, *a, **k)
+
+    for name in ("item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    return copies
+
+
 def read_wandb_run(path, wait_s: float = 30.0) -> dict:
     """An offline W&B run file (``run-*.wandb``) read back with wandb's own reader: the run record, the config,
     the history rows, the final summary (summary updates applied in order) and the exit record. Read again until

@@ -11,6 +11,8 @@ from src.errors import NumericalError
 from src.evaluate import beam_search, greedy_decode, length_penalty, unknown_words
 from src.model import ModelArgs, Transformer
 
+from .helpers import count_host_copies
+
 BOS, PAD, EOS = 0, 1, 2
 
 
@@ -69,10 +71,7 @@ def test_beam_search_copies_to_the_host_per_step_not_per_hypothesis(model, monke
     """Each ``.item()`` or ``.tolist()`` waits for a GPU to catch up: setting finished hypotheses aside copies once
     a step for all of them (it copied twice for each: 5,532 copies for 512 sentences, 156 now). Sixteen copies of
     the batch take the same steps, so the same number of copies, and translate each copy the same."""
-    copies = []
-    for name in ("item", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, **k: copies.append(1) or _real(t, *a, **k))
+    copies = count_host_copies(monkeypatch)
 
     def count(src: torch.Tensor) -> tuple[int, torch.Tensor]:
         copies.clear()

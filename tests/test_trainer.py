@@ -26,7 +26,17 @@ from src.distributed import World
 from src.memory import MemoryStrategy
 from src.trainer import inverse_sqrt_schedule, label_smoothed_loss, paper_peak_lr
 
-from .helpers import BOS, EOS, PAD, make_split, micro_batches, model_and_trainer, rel_update_diff, updates
+from .helpers import (
+    BOS,
+    EOS,
+    PAD,
+    count_host_copies,
+    make_split,
+    micro_batches,
+    model_and_trainer,
+    rel_update_diff,
+    updates,
+)
 
 # The loss works through the logits LOSS_PIECE at a time: 22 = 2 positions of 11 per piece (8 pieces, the last partial).
 CHUNKS = pytest.mark.parametrize("chunk", [trainer_module.LOSS_PIECE, 22], ids=["one-piece", "8-pieces"])
@@ -569,6 +579,23 @@ def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nl
             tokens += len(out)
     assert got["loss"] == pytest.approx(loss / tokens, rel=1e-5) and got["nll"] == pytest.approx(nll / tokens, rel=1e-5)
     assert got["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_validation_loss_copies_its_sums_to_the_host_once_whatever_the_batches(monkeypatch):
+    """The losses are summed where they are computed (in float64, as Python's floats summed them, to the same
+    figures), and copied to the host once: a copy per batch, as there were two, waits for a GPU each time. (The
+    batches' indices are copied too, from the host's own tensors: the float ones are counted.)"""
+    from types import SimpleNamespace
+
+    from src.evaluate import validation_loss
+
+    model, _ = model_and_trainer(MemoryStrategy())
+    codec = SimpleNamespace(pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    copies = count_host_copies(monkeypatch, of=torch.Tensor.is_floating_point)
+    for batch_size in (1, 7):  # 8 batches, then 2
+        copies.clear()
+        validation_loss(model, make_split(), codec, torch.device("cpu"), batch_size=batch_size, label_smoothing=0.1)
+        assert len(copies) == 1, (batch_size, len(copies))
 
 
 def test_the_padding_ratio_is_the_share_of_the_positions_computed_on_that_were_padding():
