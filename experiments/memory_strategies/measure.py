@@ -194,32 +194,7 @@ def main() -> None:
         full = encode_corpus(corpus, {"name": "xlmr", "name_or_path": args.xlmr}, cache) if args.xlmr else None
     except UserError as e:  # the corpus or the tokenizer: one line, naming the flag
         sys.exit(f"error: {e} (--root {args.root}" + (f", --xlmr {args.xlmr})" if args.xlmr else ")"))
-    train = encoded.splits["train"]
-    idx = fixed_batch(corpus)
-    sizes = pair_sizes(train)
-    real_tgt = sum(len(train.tgt[i]) + 1 for i in idx)
-
-    # (label, vocabulary, strategy, split, pair indices, source vocabulary, target vocabulary, shared)
-    jobs = []
-    for label in SPACY_CONFIGS:
-        if label == "tokens":
-            # a budget holding about as many target tokens as the fixed batch; its most padded batch
-            budget = real_tgt
-            candidates = token_batch_indices(sizes, budget, shuffle=True, seed=0)
-            worst = max(candidates, key=lambda b: len(b) * max(sizes[i] for i in b))
-            jobs.append((f"tokens ({budget})", "spacy", MemoryStrategy(max_tokens=budget), train, worst,
-                         len(encoded.src_codec), len(encoded.tgt_codec), False))
-        else:
-            jobs.append((label, "spacy", strategy(*label.split("+")), train, idx,
-                         len(encoded.src_codec), len(encoded.tgt_codec), False))
-    for label in XLMR_CONFIGS:
-        jobs.append((label, "xlmr-size", strategy(*label.split("+")), train, idx[:32], XLMR_VOCAB, XLMR_VOCAB, True))
-    if full is not None:
-        trimmed = trim_vocabulary(full)
-        for label in ("none", "chunked_ce", "trim_vocab", "trim_vocab+chunked_ce"):
-            enc = trimmed if "trim_vocab" in label else full
-            v = len(enc.src_codec)
-            jobs.append((label, "xlmr", strategy(*label.split("+")), enc.splits["train"], idx[:32], v, v, True))
+    jobs = plan_jobs(corpus, encoded, full)
 
     def chosen_by(label: str) -> bool:  # "tokens" chooses "tokens (1958)", the row named by its budget
         return not args.only or any(chosen_by_name(label, name) for name in args.only)
@@ -244,6 +219,37 @@ def main() -> None:
         plot(rows, out / f"memory{suffix}.png", f"model=base, one batch, {device.type}")
     except ImportError:
         print("matplotlib not installed: no plot")
+
+
+def plan_jobs(corpus, encoded, full) -> list[tuple]:
+    """The rows to measure, each (label, vocabulary, strategy, split, pair indices, source vocabulary, target
+    vocabulary, shared): spaCy's, XLM-R-sized ones, and the real XLM-R tokenizer's where ``full`` is its encoding."""
+    train = encoded.splits["train"]
+    idx = fixed_batch(corpus)
+    sizes = pair_sizes(train)
+    real_tgt = sum(len(train.tgt[i]) + 1 for i in idx)
+
+    jobs = []
+    for label in SPACY_CONFIGS:
+        if label == "tokens":
+            # a budget holding about as many target tokens as the fixed batch; its most padded batch
+            budget = real_tgt
+            candidates = token_batch_indices(sizes, budget, shuffle=True, seed=0)
+            worst = max(candidates, key=lambda b: len(b) * max(sizes[i] for i in b))
+            jobs.append((f"tokens ({budget})", "spacy", MemoryStrategy(max_tokens=budget), train, worst,
+                         len(encoded.src_codec), len(encoded.tgt_codec), False))
+        else:
+            jobs.append((label, "spacy", strategy(*label.split("+")), train, idx,
+                         len(encoded.src_codec), len(encoded.tgt_codec), False))
+    for label in XLMR_CONFIGS:
+        jobs.append((label, "xlmr-size", strategy(*label.split("+")), train, idx[:32], XLMR_VOCAB, XLMR_VOCAB, True))
+    if full is not None:
+        trimmed = trim_vocabulary(full)
+        for label in ("none", "chunked_ce", "trim_vocab", "trim_vocab+chunked_ce"):
+            enc = trimmed if "trim_vocab" in label else full
+            v = len(enc.src_codec)
+            jobs.append((label, "xlmr", strategy(*label.split("+")), enc.splits["train"], idx[:32], v, v, True))
+    return jobs
 
 
 def chosen_by_name(label: str, name: str) -> bool:
