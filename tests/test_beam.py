@@ -68,9 +68,10 @@ def test_a_sentence_translates_the_same_alone_and_in_a_batch(model):
 
 
 def test_beam_search_copies_to_the_host_per_step_not_per_hypothesis(model, monkeypatch):
-    """Each ``.item()`` or ``.tolist()`` waits for a GPU to catch up: setting finished hypotheses aside copies once
-    a step for all of them (it copied twice for each: 5,532 copies for 512 sentences, 156 now). Sixteen copies of
-    the batch take the same steps, so the same number of copies, and translate each copy the same."""
+    """Each ``.item()`` or ``.tolist()`` waits for a GPU to catch up: setting finished hypotheses aside copies the
+    same few times a step however many there are (it copied twice for each: 5,532 copies for 512 sentences, 156
+    now). Sixteen copies of the batch take the same steps, so the same number of copies, and translate each copy
+    the same."""
     copies = count_host_copies(monkeypatch)
 
     def count(src: torch.Tensor) -> tuple[int, torch.Tensor]:

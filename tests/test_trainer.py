@@ -582,8 +582,8 @@ def test_validation_loss_is_per_target_token_with_end_of_sentence_and_ppl_its_nl
 
 
 def test_validation_loss_copies_its_sums_to_the_host_once_whatever_the_batches(monkeypatch):
-    """The losses are summed where they are computed (in float64, as Python's floats summed them, to the same
-    figures), and copied to the host once: a copy per batch, as there were two, waits for a GPU each time. (The
+    """The losses are summed where they are computed (in float64, as Python's floats summed them), and copied to
+    the host once: a copy per batch, as there were two, waits for a GPU each time. (The
     batches' indices are copied too, from the host's own tensors: the float ones are counted.)"""
     from types import SimpleNamespace
 
