@@ -133,7 +133,7 @@ def device_note(info: dict) -> str:
 
 
 def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
-    from src.memory import CATEGORIES
+    from src.memory import shown_categories
     from src.planner import cost_note
 
     s = est.shape
@@ -147,7 +147,7 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           f"{s.tgt_len} target positions each" + (f" (measured on the data: {', '.join(info['from_data'])})"
                                                   if info["from_data"] else ""))
     split = est.split_mb()
-    for cat in CATEGORIES:
+    for cat in shown_categories([split]):
         print(f"  {cat:<12} {split[cat]:>10,.1f} MiB")
     print(f"  {'peak':<12} {est.peak_mb:>10,.1f} MiB   (first micro-batch: forward {est.forward_delta / 2**20:+,.1f} "
           f"MiB, backward {est.backward_delta / 2**20:+,.1f} MiB)")
@@ -194,7 +194,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
     """One row per job, ranked by peak, numbered as ``train.py -m`` numbers the sweep's jobs. What the jobs share
     (the card, the margins, the worst-case lengths, the device planned for) is said once; where a sweep varies it,
     each row says its own."""
-    from src.memory import CATEGORIES
+    from src.memory import shown_categories
     from src.planner import cost_note
     from src.planning import context_gb
 
@@ -205,7 +205,8 @@ def print_table(rows, sweep: list[list[str]]) -> None:
     lengths = {(r[3].shape.src_len, r[3].shape.tgt_len) for r in ranked}
     devices = {r[4]["device"] for r in ranked}
     fits = f"fits {plans[0]['gpu_gb']:g} GB" if len(cards) == 1 else "fits plan.gpu_gb"
-    head = ["job", "run", "micro-batch", "peak (MiB)", *CATEGORIES, "needs (GB)", fits, "compute", "expected cost"]
+    cats = shown_categories(r[3].by_category for r in ranked)
+    head = ["job", "run", "micro-batch", "peak (MiB)", *cats, "needs (GB)", fits, "compute", "expected cost"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     shared = set.intersection(*(set(r[0]) for r in rows))
@@ -219,7 +220,7 @@ def print_table(rows, sweep: list[list[str]]) -> None:
         batch = f"{s.accum_steps} x {s.pairs} pairs" + (f" of {s.src_len}/{s.tgt_len} positions" if len(lengths) > 1 else "")
         verdict = "yes" if need <= plan["gpu_gb"] else "**no**"
         print("| " + " | ".join([
-            str(number[id(job)]), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in CATEGORIES), f"{need:.2f}",
+            str(number[id(job)]), name, batch, f"{est.peak_mb:,.0f}", *(f"{split[c]:,.0f}" for c in cats), f"{need:.2f}",
             verdict if len(cards) == 1 else f"{verdict} ({plan['gpu_gb']:g} GB)", f"{est.compute:.2f}x",
             cost_note(strategy)]) + " |")
     notes = []

@@ -177,8 +177,17 @@ def memory_strategy(memory: dict, max_tokens: int | None = None) -> MemoryStrate
     return MemoryStrategy(**memory, max_tokens=max_tokens)
 
 
-CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "logits", "backward")
+# ``gathered``: memory=fsdp's parameters all-gathered from the shards, live while their unit computes (the root
+# unit's from its forward to its backward); 0 in any other run, and left out of tables where every row has 0.
+CATEGORIES = ("parameters", "gathered", "gradients", "optimizer", "activations", "logits", "backward")
 _ACTIVE: list[TensorMemoryTracker] = []  # trackers inside their ``with`` block, innermost last
+
+
+def shown_categories(splits) -> tuple[str, ...]:
+    """The columns of a table of ``splits`` (dicts by category, in bytes or MiB): ``CATEGORIES``, without
+    ``gathered`` where no split has any (no run of the table was sharded)."""
+    splits = list(splits)
+    return tuple(c for c in CATEGORIES if c != "gathered" or any(split.get(c) for split in splits))
 
 
 def count_inputs(*tensors: torch.Tensor) -> None:
@@ -235,6 +244,64 @@ def _tracked_resize(storage, size):
     return out
 
 
+def _fsdp_patches() -> list[tuple[type, str, object]]:
+    """memory=fsdp: what FSDP2 allocates in a step, told to the trackers, as (class, name, replacement) for the
+    methods of its ``FSDPParamGroup`` (torch 2.13's; none if FSDP is not loaded or they changed):
+
+    - ``unshard`` and ``wait_for_unshard``: the all-gather's buffers and the gathered parameters are ``gathered``.
+      A unit's gathered parameters keep their storages between steps, freed with ``resize_(0)`` and gathered again
+      into them: they are tracked (at 0 bytes) before each gathering, so that a tracker started after the first
+      step sees them grow. Without this a step after the first did not count them at all, and the first counted
+      them as activations.
+    - ``post_backward``: the unit's unsharded gradients, the reduce-scatter's buffers and the sharded gradients it
+      leaves are ``gradients`` (no post-accumulate hook of the sharded parameters runs for them)."""
+    group_module = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+    group = getattr(group_module, "FSDPParamGroup", None)
+    if group is None or not all(hasattr(group, name) for name in ("unshard", "wait_for_unshard", "post_backward")):
+        return []
+    unshard, wait_for_unshard, post_backward = group.unshard, group.wait_for_unshard, group.post_backward
+
+    def tracked_unshard(self, *args, **kwargs):
+        with region("gathered"):
+            return unshard(self, *args, **kwargs)
+
+    def tracked_wait_for_unshard(self):
+        for tracker in _ACTIVE:
+            tracker.track([p.all_gather_outputs for p in self.fsdp_params], category="gathered")
+        with region("gathered"):
+            return wait_for_unshard(self)
+
+    def tracked_post_backward(self, *unused):
+        for tracker in _ACTIVE:
+            for p in self.fsdp_params:
+                unsharded = getattr(p, "_unsharded_param", None)
+                for grad in (p.unsharded_accumulated_grad, None if unsharded is None else unsharded.grad):
+                    if grad is not None:
+                        tracker.retag(grad, "gradients")
+        with region("gradients"):
+            return post_backward(self, *unused)
+
+    return [(group, "unshard", tracked_unshard), (group, "wait_for_unshard", tracked_wait_for_unshard),
+            (group, "post_backward", tracked_post_backward)]
+
+
+_UNPATCHED: list[tuple[type, str, object]] = []  # the methods ``_fsdp_patches`` replaced while trackers are active
+
+
+def _patch(active: bool) -> None:
+    """Install (the first tracker entering) or remove (the last leaving) the tracker's hooks into PyTorch: storage
+    resizing and FSDP's gathering and reduce-scattering."""
+    if active:
+        torch.UntypedStorage.resize_ = _tracked_resize
+        for owner, name, replacement in _fsdp_patches():
+            _UNPATCHED.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, replacement)
+    else:
+        torch.UntypedStorage.resize_ = _RESIZE
+        while _UNPATCHED:
+            setattr(*_UNPATCHED.pop())
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Live and peak bytes of tensor storages on one device type, split by category (``CATEGORIES``).
 
@@ -267,7 +334,7 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         if not _ACTIVE:
-            torch.UntypedStorage.resize_ = _tracked_resize
+            _patch(True)
         _ACTIVE.append(self)
         return super().__enter__()
 
@@ -275,7 +342,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._settle()
         _ACTIVE.remove(self)
         if not _ACTIVE:
-            torch.UntypedStorage.resize_ = _RESIZE
+            _patch(False)
         return super().__exit__(*exc)
 
     def resized(self, storage, nbytes: int) -> None:

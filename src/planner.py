@@ -305,11 +305,11 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
     the rest), at the larger of two moments.
 
-    In backward: parameters (not buffers), gradients and Adam's state are divided by the ranks. Added: the root
-    unit's gathered parameters (embeddings, norms, output projection), which stay gathered from forward to
-    backward, and one layer's, gathered again in backward with its unsharded gradient before the reduce-scatter,
-    beside the all-gather's own buffer that it is copied out of (its parameters padded to a multiple of the ranks),
-    counted as backward.
+    In backward: parameters (not buffers), gradients and Adam's state are divided by the ranks. Added, as
+    ``gathered``: the root unit's gathered parameters (embeddings, norms, output projection), which stay gathered
+    from forward to backward, and one layer's, gathered again in backward with its unsharded gradient before the
+    reduce-scatter, beside the all-gather's own buffer that it is copied out of (its parameters padded to a
+    multiple of the ranks).
 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
@@ -332,10 +332,10 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
         split[category] = split.get(category, 0) - min(total, split.get(category, 0)) * (1 - 1 / world_size)
-    split["backward"] = split.get("backward", 0) + gathered
+    split["gathered"] = gathered
     shard = params / world_size
     adam_temporary = shard if device == "cuda" else max(padded.values()) / world_size
-    step = {"parameters": split["parameters"], "gradients": shard,
+    step = {"parameters": split["parameters"], "gathered": 0, "gradients": shard,
             "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
             "activations": 0, "logits": 0, "backward": 0}
     if sum(step.values()) > sum(split.values()):

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from .errors import DataError, UserError
 from .fileio import atomic_path
 from .loggers import run_name
-from .memory import CATEGORIES, memory_strategy
+from .memory import memory_strategy, shown_categories
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,8 @@ def _markdown(head: list[str], rows: list[list[str]]) -> str:
 
 
 def markdown_table(jobs: list[Job]) -> str:
-    cats = CATEGORIES if any(j.summary.get("peak_memory_split_mb") for j in jobs) else ()  # where the tracker counted
+    splits = [j.summary.get("peak_memory_split_mb") or {} for j in jobs]
+    cats = shown_categories(splits) if any(splits) else ()  # where the tracker counted
     reserved = any(j.summary.get("peak_reserved_mb") for j in jobs)
     mfu = any(j.summary.get("mfu") for j in jobs)  # runs given trainer.peak_tflops
     head = ["job", "run", "effective batch", "peak memory (MiB)", *cats, *(["CUDA reserved"] if reserved else []),

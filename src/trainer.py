@@ -297,7 +297,7 @@ class Trainer:
             if self.world.any(oom is not None):
                 opt.zero_grad(set_to_none=True)
                 raise AgreedOutOfMemoryError(oom or "out of memory on another rank: every rank redoes the step")
-            with region("gradients"):  # its flattened buckets: one of the six categories (src/memory.py)
+            with region("gradients"):  # its flattened buckets: one of the categories (src/memory.py)
                 average_gradients(model.parameters(), self.world)
         scale_before = scaler.get_scale() if scaler.is_enabled() else None
         try:

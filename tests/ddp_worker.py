@@ -93,13 +93,18 @@ def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
 def fsdp_peak(out: Path, world) -> None:
     """The planner's check on two ranks, under memory=fsdp and under DDP: each rank's tracked peak of a real
     training step (the validation case's model and batch), against what src/planner.py estimates for one rank."""
+    from src.memory import tracked_step
     from src.model import ModelArgs
-    from src.planner import SMALL, TINY, StepShape, measure_step
+    from src.planner import SMALL, TINY, StepShape, measure_step, real_step
 
     args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
     cpu = torch.device("cpu")
     peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
              for name, fsdp in (("fsdp", True), ("ddp", False))}
+    # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
+    for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)):
+        trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
+        peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
     # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param

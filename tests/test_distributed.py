@@ -491,12 +491,39 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     # 4 tokens hardly has), against the foreach step measured on the CPU
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     step = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 2, device="cuda")
-    assert step.by_category["backward"] == 0  # the step's moment: no layer gathered
+    assert step.by_category["gathered"] == step.by_category["backward"] == 0  # the step's moment: nothing gathered
     # The plan leaves optim.weight_decay out. Adam with it adds the decay into a new copy of every gradient shard,
     # but frees that copy before it takes the square roots, which are as large: the same peak (measured).
     for peaks in measured:
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
+
+
+@pytest.mark.slow
+def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(worker_cases):
+    """Each of two ranks' split at the peak of three steps, each under a new tracker (as a run samples them). Under
+    memory=fsdp: the parameters gathered from the shards are ``gathered`` in every step, and the activations are
+    DDP's. At this step's peak, in backward, they are the root unit's (embeddings, output projection, final norms)
+    and two layers' worth: the layer computing its backward, and the next, prefetched (its all-gather's buffer or
+    the parameters copied out of it, of the same size; src/planner.py's ``shard_estimate``). Until 2026-12-06 the
+    first step counted them as activations, and a later step did not count them at all: FSDP gathers into the
+    storages of the first step, resized, which a new tracker had not seen."""
+    from src.model import ModelArgs, Transformer
+    from src.planner import TINY
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY))
+    size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
+    root = sum(size.values()) - sum(layers)
+    for rank in (0, 1):
+        peaks = torch.load(worker_cases / f"fsdp_peak{rank}.pt", weights_only=True)
+        first, *later = peaks["fsdp_steps"]
+        for split in later:  # the first step makes Adam's state after its peak
+            assert split == later[0] and {**first, "optimizer": split["optimizer"]} == split
+        assert later[0]["gathered"] == root + 2 * max(layers)
+        assert later[0]["activations"] == peaks["ddp_steps"][1]["activations"]
+        assert all(split["gathered"] == 0 for split in peaks["ddp_steps"])
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):

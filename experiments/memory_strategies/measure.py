@@ -37,7 +37,14 @@ from src.data.encode import encode_corpus, trim_vocabulary  # noqa: E402
 from src.errors import UserError  # noqa: E402
 from src.fileio import atomic_path, write_json, write_text  # noqa: E402
 from src.flops import FlopCount  # noqa: E402
-from src.memory import CATEGORIES, MemoryStrategy, free_earlier_runs, keep_freed_host_memory, tracked_step  # noqa: E402
+from src.memory import (  # noqa: E402
+    CATEGORIES,
+    MemoryStrategy,
+    free_earlier_runs,
+    keep_freed_host_memory,
+    shown_categories,
+    tracked_step,
+)
 from src.model import ModelArgs, Transformer  # noqa: E402
 from src.tokenizers import BOS, EOS, PAD  # noqa: E402
 from src.trainer import Trainer, inverse_sqrt_schedule  # noqa: E402
@@ -130,8 +137,13 @@ def measure(label, strategy: MemoryStrategy, vocab, src_vocab, tgt_vocab, shared
     return row
 
 
+def categories(rows: list[dict]) -> tuple[str, ...]:
+    """The memory categories the rows' table and plot show (one process: nothing ``gathered``)."""
+    return shown_categories({k: r.get(f"{k}_mb") for k in CATEGORIES} for r in rows)
+
+
 def write_table(rows: list[dict], path: Path, header: str) -> None:
-    cols = ["config", "vocabulary", "pairs", "peak_mb", *[f"{k}_mb" for k in CATEGORIES], "step_s", "tokens_per_s",
+    cols = ["config", "vocabulary", "pairs", "peak_mb", *[f"{k}_mb" for k in categories(rows)], "step_s", "tokens_per_s",
             "compute", "padding_ratio"]
     if any("cuda_max_allocated_mb" in r for r in rows):
         cols[4:4] = ["cuda_max_allocated_mb", "cuda_max_reserved_mb"]
@@ -149,7 +161,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 6))
     names = [f"{r['config']}\n({r['vocabulary']})" for r in rows]
     bottom = [0.0] * len(rows)
-    for cat in CATEGORIES:
+    for cat in categories(rows):
         values = [r[f"{cat}_mb"] for r in rows]
         ax.bar(names, values, bottom=bottom, label=cat)
         bottom = [b + v for b, v in zip(bottom, values)]
