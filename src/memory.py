@@ -257,7 +257,7 @@ def _fsdp_patches() -> list[tuple[type, str, object]]:
       leaves are ``gradients`` (no post-accumulate hook of the sharded parameters runs for them)."""
     group_module = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group")
     group = getattr(group_module, "FSDPParamGroup", None)
-    if group is None or not all(hasattr(group, name) for name in ("unshard", "wait_for_unshard", "post_backward")):
+    if group is None or not {"unshard", "wait_for_unshard", "post_backward"} <= vars(group).keys():
         return []
     unshard, wait_for_unshard, post_backward = group.unshard, group.wait_for_unshard, group.post_backward
 

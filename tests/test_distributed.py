@@ -502,12 +502,14 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
 @pytest.mark.slow
 def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(worker_cases):
     """Each of two ranks' split at the peak of three steps, each under a new tracker (as a run samples them). Under
-    memory=fsdp: the parameters gathered from the shards are ``gathered`` in every step, and the activations are
+    memory=fsdp the parameters gathered from the shards are ``gathered`` in every step, and the activations are
     DDP's. At this step's peak, in backward, they are the root unit's (embeddings, output projection, final norms)
-    and two layers' worth: the layer computing its backward, and the next, prefetched (its all-gather's buffer or
-    the parameters copied out of it, of the same size; src/planner.py's ``shard_estimate``). Until 2026-12-06 the
-    first step counted them as activations, and a later step did not count them at all: FSDP gathers into the
-    storages of the first step, resized, which a new tracker had not seen."""
+    and two or three layers' worth: the layer computing its backward, the next, prefetched (its all-gather's buffer
+    or the parameters copied out of it, of the same size; src/planner.py's ``shard_estimate``), and in some runs
+    the buffer of one gathered before, which a thread other than the main one frees (seen once in 4 steps; the
+    split of every step is then one layer off, its peak 0.8% higher). Until 2026-12-06 the first step counted them
+    as activations (8.7% above DDP's), and a later step did not count them at all: FSDP gathers into the storages
+    of the first step, resized, which a new tracker had not seen."""
     from src.model import ModelArgs, Transformer
     from src.planner import TINY
 
@@ -515,14 +517,14 @@ def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(w
         model = Transformer(ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY))
     size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
-    root = sum(size.values()) - sum(layers)
+    root, layer = sum(size.values()) - sum(layers), max(layers)
     for rank in (0, 1):
         peaks = torch.load(worker_cases / f"fsdp_peak{rank}.pt", weights_only=True)
-        first, *later = peaks["fsdp_steps"]
-        for split in later:  # the first step makes Adam's state after its peak
-            assert split == later[0] and {**first, "optimizer": split["optimizer"]} == split
-        assert later[0]["gathered"] == root + 2 * max(layers)
-        assert later[0]["activations"] == peaks["ddp_steps"][1]["activations"]
+        ddp = peaks["ddp_steps"][1]
+        for step, split in enumerate(peaks["fsdp_steps"], 1):
+            assert root + 2 * layer <= split["gathered"] <= root + 3 * layer, (rank, step, split)
+            assert split["activations"] == pytest.approx(ddp["activations"], rel=0.02), (rank, step, split)
+            assert split["parameters"] + split["optimizer"] < ddp["parameters"] + ddp["optimizer"]
         assert all(split["gathered"] == 0 for split in peaks["ddp_steps"])
 
 
