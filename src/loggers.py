@@ -54,11 +54,15 @@ def _clean(value):
 
 
 def run_dir_key() -> str:
-    """The setting that names the run directory: Hydra's under train.py, the config's own where it is composed
-    and run from Python (``src.run.train(cfg)``)."""
+    """The setting that gives a run another directory: Hydra's run directory under train.py, a sweep job's sweep
+    directory under ``train.py -m`` (which ignores hydra.run.dir), the config's own where it is composed and run
+    from Python (``src.run.train(cfg)``)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    return "hydra.run.dir" if HydraConfig.initialized() else "paths.output_dir"
+    if not HydraConfig.initialized():
+        return "paths.output_dir"
+    return "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
 
 
 def hydra_job() -> dict:

@@ -440,12 +440,18 @@ def test_fail_on_error_runs_every_job_then_exits_non_zero(tmp_path, shared_cache
 def test_a_sweep_relaunched_with_other_jobs_does_not_resume_one_jobs_run_as_another(tmp_path, shared_cache):
     """memory=none,amp relaunched with trainer.resume=auto as memory=amp,none: job 0 (none's run) resumed as amp,
     with a warning, and its summary, report row and W&B run gave none's peak and tokens/s under the label amp.
-    Each job is refused in one line, its directory as it was; relaunched with the same jobs, they resume."""
+    Each job is refused in one line, its directory as it was; relaunched with the same jobs, they resume. Relaunched
+    without trainer.resume, each job is refused too, naming the setting that gives a sweep another directory (it
+    named hydra.run.dir, which a multirun ignores)."""
     sweep = tmp_path / "sweep"
     common = [*FAST, "trainer.max_steps=2", "trainer.eval_every=2", f"hydra.sweep.dir={sweep}",
               f"paths.cache_dir={shared_cache}"]
     assert run_cli("train.py", "-m", "memory=none,amp", *common).returncode == 0
     before = [(sweep / j / "summary.json").read_text() for j in "01"]
+    proc = run_cli("train.py", "-m", "memory=none,amp", *common)
+    assert [(sweep / j / "summary.json").read_text() for j in "01"] == before
+    assert proc.stderr.count("add trainer.resume=auto to continue that run, trainer.resume=never to start over (they "
+                             "are removed), or set hydra.sweep.dir to a new directory") == 2, proc.stderr
     proc = run_cli("train.py", "-m", "memory=amp,none", "trainer.resume=auto", *common)
     assert [(sweep / j / "summary.json").read_text() for j in "01"] == before
     assert proc.stderr.count("(a sweep relaunched with another list of jobs gives a job's number to another job): "
