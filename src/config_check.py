@@ -190,6 +190,11 @@ def _config_dir_as_searchpath(argv: list[str]) -> list[str]:
 PROJECT_HYDRA = "+hydra=default"  # conf/hydra/default.yaml, chosen by with_project_hydra (not recorded as an override)
 
 
+def without_project_hydra(overrides) -> list[str]:
+    """A job's overrides less the one ``with_project_hydra`` adds to a saved config run again: as typed."""
+    return [o for o in overrides if o != PROJECT_HYDRA]
+
+
 def with_project_hydra(argv: list[str]) -> list[str]:
     """``argv`` for Hydra. Where it names a primary config without a defaults list (a run's saved
     ``.hydra/config.yaml``, run again), Hydra's own settings would apply: the run in ``outputs/<date>/<time>``, a

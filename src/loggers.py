@@ -75,14 +75,14 @@ def hydra_job() -> dict:
         return {}
     from omegaconf import OmegaConf
 
-    from .config_check import PROJECT_HYDRA
+    from .config_check import without_project_hydra
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     return {
         # as typed: iterating the ListConfig resolved an override's ${oc.env:...} (a traceback where it is unset);
         # without the one train.py adds to a saved config run again
-        "overrides": [o for o in OmegaConf.to_container(hc.overrides.task, resolve=False) if o != PROJECT_HYDRA],
+        "overrides": without_project_hydra(OmegaConf.to_container(hc.overrides.task, resolve=False)),
         "output_dir": hc.runtime.output_dir,
         "sweep_dir": str(hc.sweep.dir) if multirun else None,
         "job_num": hc.job.num if multirun else None,

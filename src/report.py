@@ -182,14 +182,14 @@ def _sweep_jobs(hydra: dict) -> list[list[str]]:
     preset's ``hydra.sweeper.params``, then the command line's, as Hydra's basic sweeper combines them; less the one
     train.py adds to a saved config run again, as a job's own record has it (``hydra_job``). Empty where that
     cannot be read (no multirun.yaml, another sweeper's)."""
-    from .config_check import PROJECT_HYDRA, sweep_jobs
+    from .config_check import sweep_jobs, without_project_hydra
 
     try:
         if not str((hydra.get("sweeper") or {}).get("_target_", "")).endswith(".BasicSweeper"):
             return []
         params = [f"{key}={value}" for key, value in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
         jobs = sweep_jobs([*params, *((hydra.get("overrides") or {}).get("task") or [])], True)
-        return [[o for o in job if o != PROJECT_HYDRA] for job in jobs]
+        return [without_project_hydra(job) for job in jobs]
     except Exception:  # (a sweep of another version of the configs, say: its jobs are still listed as found)
         return []
 
