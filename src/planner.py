@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .data.batching import Batch
 from .data.encode import seq_lengths
-from .distributed import World, fully_shard_net
+from .distributed import World, fsdp_units, fully_shard_net
 from .errors import ConfigError
 from .flops import FlopCount
 from .kernels import attention_kernels, planned_attention
@@ -306,10 +306,11 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     the rest), at the larger of two moments.
 
     In backward: parameters (not buffers), gradients and Adam's state are divided by the ranks. Added, as
-    ``gathered``: the root unit's gathered parameters (embeddings, norms, output projection), which stay gathered
-    from forward to backward, and one layer's, gathered again in backward with its unsharded gradient before the
-    reduce-scatter, beside the all-gather's own buffer that it is copied out of (its parameters padded to a
-    multiple of the ranks).
+    ``gathered``: the root unit's gathered parameters (output projection, final norms, and a shared or tied token
+    table: ``fsdp_units``), which stay gathered from forward to backward, and one layer's, gathered again in
+    backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own buffer that it is
+    copied out of (its parameters padded to a multiple of the ranks). An embedding of its own unit is gathered at
+    the start of forward and the end of backward, not here.
 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
@@ -324,10 +325,12 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     padded = {id(p): -(-p.size(0) // world_size) * world_size * size[id(p)] // max(p.size(0), 1)
               for p in model.parameters()}
     params = sum(size.values())
-    units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
+    layer_units, embeddings = fsdp_units(model)
+    units = [list(layer.parameters()) for layer in layer_units]
     layers = [sum(size[id(p)] for p in unit) for unit in units]
     all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
-    gathered = (params - sum(layers)) + max(layers, default=0) + all_gather
+    root = params - sum(layers) - sum(size[id(p)] for unit in embeddings for p in unit.parameters())
+    gathered = root + max(layers, default=0) + all_gather
     split = dict(est.by_category)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
