@@ -533,7 +533,7 @@ def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(w
 def test_fsdp_gives_a_token_table_its_own_unit_where_no_other_module_shares_it():
     """memory=fsdp: an embedding of its own unit is gathered only while it computes (at the start of forward and
     the end of backward), not from forward to backward as the root's parameters are. On the reference workload
-    (untied, 2 ranks) rank 0's peak fell from 374.5 to 360.7 MiB (experiments/distributed)."""
+    (untied, 2 ranks) rank 0's peak fell from 374.5 to 360.6 MiB (experiments/distributed)."""
     from src.distributed import fsdp_units
     from src.model import ModelArgs, Transformer
     from src.planner import TINY
