@@ -142,6 +142,19 @@ def test_tracker_sees_backward_and_state_added_by_hand():
     assert 1 + 2 + 1 <= mb < 1 + 2 + 1 + 2.5  # weights + output + weight grad (+ the output's grad)
 
 
+def test_the_tracker_follows_fsdp_only_while_it_is_active():
+    """Its hooks into FSDP2's gathering and reduce-scattering (tests/test_distributed.py checks what they count)
+    are installed by the first tracker entering and removed by the last leaving, as storage resizing's is."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    names = ("unshard", "wait_for_unshard", "post_backward")
+    original = [vars(FSDPParamGroup)[name] for name in names] + [torch.UntypedStorage.resize_]
+    with TensorMemoryTracker(), TensorMemoryTracker():
+        hooked = [vars(FSDPParamGroup)[name] for name in names] + [torch.UntypedStorage.resize_]
+        assert all(a is not b for a, b in zip(hooked, original, strict=True))
+    assert [vars(FSDPParamGroup)[name] for name in names] + [torch.UntypedStorage.resize_] == original
+
+
 def test_bf16_autocast_runs_on_cpu_and_changes_the_matmul_dtype():
     strategy = MemoryStrategy(amp="bf16")
     layer = torch.nn.Linear(16, 16)
