@@ -302,28 +302,29 @@ def with_ddp_buckets(est: Estimate) -> Estimate:
 
 
 def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu") -> Estimate:
-    """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
-    the rest), at the largest of three moments.
+    """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer, one per token
+    embedding of its own and one for the rest: ``fsdp_units``), at the largest of three moments.
 
-    In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are divided by the ranks. Added, as
-    ``gathered``: the root unit's gathered parameters (output projection, final norms, and a shared or tied token
-    table: ``fsdp_units``), which stay gathered from forward to backward, and one layer's, gathered again in
-    backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own buffer that it is
-    copied out of (its parameters padded to a multiple of the ranks). An embedding of its own unit is gathered at
-    the start of forward and the end of backward, not here.
+    In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are
+    divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (output projection, final
+    norms, and a shared or tied token table), which stay gathered from forward to backward, and one layer's,
+    gathered again in backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own
+    buffer that it is copied out of (its parameters padded to a multiple of the ranks). An embedding of its own
+    unit is gathered at the start of forward and the end of backward, not here.
 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
     ``exp_avg_sq`` shard at once, on the CPU the loop's, one parameter at a time. With a model large against its
-    batch, this moment is the peak. optim.weight_decay adds nothing to it on CUDA: the foreach implementation's
-    copy of the gradients with the decay added, as large as its square roots, is freed before they are taken.
+    batch and 2 ranks, this moment is the peak. optim.weight_decay adds nothing to it on CUDA: the foreach
+    implementation's copy of the gradients with the decay added, as large as its square roots, is freed before they
+    are taken.
 
     In a layer's backward: the gathered parameters, as above, the layer's unsharded gradient, and the reduce-scatter
     of the layer before it: its input, a copy of that layer's gradient (kept until the next one starts), and two
     layers' shards of gradients (1/N each: what the tracker finds there with 4 and 8 ranks), beside the sharded
-    parameters and Adam's state. With a small batch and 4 or more
-    ranks, which divide everything else, this moment is the peak. What activations are still alive then is left
-    out: the small batch's (0.4 MB of model=small's one pair of 4 tokens, 1.6% of the peak with 4 ranks).
+    parameters and Adam's state. With a small batch and 4 or more ranks, which divide everything else, this moment
+    is the peak. What activations are still alive then is left out: the small batch's (0.4 MB of model=small's one
+    pair of 4 tokens, 1.6% of the peak with 4 ranks).
 
     Checked against 2-rank and 4-rank runs in tests/test_distributed.py."""
     with torch.device("meta"):

@@ -91,8 +91,9 @@ def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
 
 
 def fsdp_peak(out: Path, world) -> None:
-    """The planner's check on two ranks, under memory=fsdp and under DDP: each rank's tracked peak of a real
-    training step (the validation case's model and batch), against what src/planner.py estimates for one rank."""
+    """The planner's and the ledger's checks (on 2 or 4 ranks), under memory=fsdp and under DDP: each rank's tracked
+    peak of a real training step (the validation case's model and batch), against what src/planner.py estimates
+    for one rank, and the split of three steps."""
     from src.memory import tracked_step
     from src.model import ModelArgs
     from src.planner import SMALL, TINY, StepShape, measure_step, real_step
@@ -105,7 +106,8 @@ def fsdp_peak(out: Path, world) -> None:
     for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)):
         trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
         peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
-    # a model large against its batch, whose peak is Adam's step, as FSDP takes it on CUDA (foreach)
+    # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
+    # takes it on CUDA (foreach)
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
