@@ -1,0 +1,46 @@
+"""memory=fsdp: each rank's tracked peak of one training step against the planner's estimate, for a batch small
+against a large vocabulary (model=tiny's layers, 30,000-piece vocabularies, one pair of 4 tokens), tied and untied.
+
+    torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py   # and 4
+
+Rank 0 prints the tracked peak and split (MiB), the estimate and split, and the estimate's error. The step is the
+one after Adam's state exists (``create_optimizer_state``), as ``src.planner.measure_step`` takes it.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from src.distributed import process_group, world_from_env  # noqa: E402
+from src.memory import MemoryStrategy, create_optimizer_state, tracked_step  # noqa: E402
+from src.model import ModelArgs  # noqa: E402
+from src.planner import TINY, StepShape, estimate_step, real_step  # noqa: E402
+from src.tokenizers import PAD  # noqa: E402
+
+
+def mib(split: dict) -> dict:
+    return {k: round(v / 2**20, 2) for k, v in split.items()}
+
+
+def main() -> None:
+    world = world_from_env()
+    with process_group(world, torch.device("cpu")):
+        shape = StepShape(1, 4, 4)
+        for tie in (False, True):
+            args = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY)
+            trainer, micro = real_step(args, MemoryStrategy(fsdp=True), shape, torch.device("cpu"), world=world)
+            create_optimizer_state(trainer.optimizer)
+            tracker = tracked_step(trainer, micro, "cpu")
+            if world.rank == 0:
+                est = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=world.size)
+                print(f"{world.size} ranks, {'tied' if tie else 'untied'}: tracked {tracker.peak / 2**20:.2f} MiB "
+                      f"{mib(tracker.peak_by_category)}")
+                print(f"  estimate {est.peak_bytes / 2**20:.2f} MiB {mib(est.by_category)} "
+                      f"({100 * (est.peak_bytes - tracker.peak) / tracker.peak:+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
