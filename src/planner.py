@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .data.batching import Batch
 from .data.encode import seq_lengths
-from .distributed import World, fsdp_units, fully_shard_net
+from .distributed import World, fully_shard_net
 from .errors import ConfigError
 from .flops import FlopCount
 from .kernels import attention_kernels, planned_attention
@@ -302,15 +302,14 @@ def with_ddp_buckets(est: Estimate) -> Estimate:
 
 
 def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu") -> Estimate:
-    """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer, one per token
-    embedding of its own and one for the rest: ``fsdp_units``), at the largest of three moments.
+    """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
+    the rest), at the largest of four moments.
 
     In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are
-    divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (output projection, final
-    norms, and a shared or tied token table), which stay gathered from forward to backward, and one layer's,
-    gathered again in backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own
-    buffer that it is copied out of (its parameters padded to a multiple of the ranks). An embedding of its own
-    unit is gathered at the start of forward and the end of backward, not here.
+    divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (embeddings, output
+    projection, final norms), which stay gathered from forward to backward, and one layer's, gathered again in
+    backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own buffer that it is
+    copied out of (its parameters padded to a multiple of the ranks).
 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
@@ -326,6 +325,10 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     is the peak. What activations are still alive then is left out: the small batch's (0.4 MB of model=small's one
     pair of 4 tokens, 1.6% of the peak with 4 ranks).
 
+    At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
+    reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
+    untied vocabulary and a small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py).
+
     Checked against 2-rank and 4-rank runs in tests/test_distributed.py."""
     with torch.device("meta"):
         model = Transformer(args)
@@ -333,12 +336,10 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     padded = {id(p): -(-p.size(0) // world_size) * world_size * size[id(p)] // max(p.size(0), 1)
               for p in model.parameters()}
     params = sum(size.values())
-    layer_units, embeddings = fsdp_units(model)
-    units = [list(layer.parameters()) for layer in layer_units]
+    units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
     layers = [sum(size[id(p)] for p in unit) for unit in units]
     all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
-    root = params - sum(layers) - sum(size[id(p)] for unit in embeddings for p in unit.parameters())
-    gathered = root + max(layers, default=0) + all_gather
+    gathered = (params - sum(layers)) + max(layers, default=0) + all_gather
     split = dict(est.by_category)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
@@ -351,7 +352,9 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
             "activations": 0, "logits": 0, "backward": 0}
     layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
              "optimizer": est.by_category.get("optimizer", 0) / world_size, "backward": max(layers, default=0)}
-    split = max((split, step, layer), key=lambda moment: sum(moment.values()))
+    root = params - sum(layers)
+    end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "backward": root}
+    split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 

@@ -102,6 +102,9 @@ def fsdp_peak(out: Path, world) -> None:
     cpu = torch.device("cpu")
     peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
              for name, fsdp in (("fsdp", True), ("ddp", False))}
+    # a batch small against a large untied vocabulary, whose peak is the end of backward
+    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
+    peaks["fsdp_vocab"] = measure_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world)
     # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
     for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)):
         trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)

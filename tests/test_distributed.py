@@ -479,8 +479,13 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     sharded = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=2)
     whole = estimate_step(args, MemoryStrategy(), shape)
     ddp = estimate_step(args, MemoryStrategy(), shape, world_size=2)
+    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
+    end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=2)
+    assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
     for peaks in measured:
         assert -0.01 < (sharded.peak_bytes - peaks["fsdp"]["peak"]) / peaks["fsdp"]["peak"] < 0.02
+        # a batch small against a large untied vocabulary: 8.2% under before the end of backward was a moment
+        assert -0.01 < (end.peak_bytes - peaks["fsdp_vocab"]["peak"]) / peaks["fsdp_vocab"]["peak"] < 0.02
         # DDP: the step's peak plus one fp32 copy of the gradients, counted once (the tracker used to count the
         # buckets again when backward wrote into them: 10.8% over)
         assert ddp.peak_bytes == whole.peak_bytes + 4 * whole.parameters
@@ -503,9 +508,8 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
 def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(worker_cases):
     """Each of two ranks' split at the peak of three steps, each under a new tracker (as a run samples them). Under
     memory=fsdp the parameters gathered from the shards are ``gathered`` in every step, and the activations are
-    DDP's. At this step's peak, in backward, they are the root unit's (output projection, tied to the target
-    embedding, and final norms; the source embedding is a unit of its own, not gathered then) and two or three
-    layers' worth: the layer computing its backward, the next, prefetched (its all-gather's buffer
+    DDP's. At this step's peak, in backward, they are the root unit's (embeddings, output projection, final norms)
+    and two or three layers' worth: the layer computing its backward, the next, prefetched (its all-gather's buffer
     or the parameters copied out of it, of the same size; src/planner.py's ``shard_estimate``), and in some runs
     the buffer of one gathered before, which a thread other than the main one frees (seen once in 4 steps; the
     split of every step is then one layer off, its peak 0.8% higher). Until 2026-12-06 the first step counted them
@@ -518,8 +522,7 @@ def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(w
         model = Transformer(ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY))
     size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
-    root = sum(size.values()) - sum(layers) - size[id(model.src_embed.tokens.weight)]
-    layer = max(layers)
+    root, layer = sum(size.values()) - sum(layers), max(layers)
     for rank in (0, 1):
         peaks = torch.load(worker_cases / f"fsdp_peak{rank}.pt", weights_only=True)
         ddp = peaks["ddp_steps"][1]
@@ -548,30 +551,15 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     batch = estimate_step(tiny, MemoryStrategy(fsdp=True), StepShape(16, 21, 19), world_size=4).peak_bytes
     layer = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 4, device="cuda")
     assert layer.by_category["backward"] > 0  # the moment of a layer's backward
+    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
+    end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=4).peak_bytes
     for rank in range(4):
         measured = torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True)
-        assert -0.01 < (batch - measured["fsdp"]["peak"]) / measured["fsdp"]["peak"] < 0.02
+        # the buffer freed off the main thread moves this peak by up to a layer's worth (0.9% of it) in some runs
+        assert -0.015 < (batch - measured["fsdp"]["peak"]) / measured["fsdp"]["peak"] < 0.02
+        assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.02 < (layer.peak_bytes - measured[name]["peak"]) / measured[name]["peak"] < 0.02, name
-
-
-def test_fsdp_gives_a_token_table_its_own_unit_where_no_other_module_shares_it():
-    """memory=fsdp: an embedding of its own unit is gathered only while it computes (at the start of forward and
-    the end of backward), not from forward to backward as the root's parameters are. On the reference workload
-    (untied, 2 ranks) rank 0's peak fell from 374.5 to 360.6 MiB (experiments/distributed)."""
-    from src.distributed import fsdp_units
-    from src.model import ModelArgs, Transformer
-    from src.planner import TINY
-
-    for share, tie, own in ((False, False, ["src_embed", "tgt_embed"]), (False, True, ["src_embed"]), (True, True, [])):
-        with torch.device("meta"):
-            model = Transformer(ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, share_vocab=share,
-                                          tie_embeddings=tie, **TINY))
-        layers, embeddings = fsdp_units(model)
-        assert layers == [*model.encoder, *model.decoder]
-        assert [name for name, m in model.named_children() if any(m is e for e in embeddings)] == own
-        root = {id(p) for p in model.parameters()} - {id(p) for unit in layers + embeddings for p in unit.parameters()}
-        assert id(model.generator.weight) in root  # the output projection begins backward: kept gathered
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
