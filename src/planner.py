@@ -339,7 +339,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
     layers = [sum(size[id(p)] for p in unit) for unit in units]
     all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
-    gathered = (params - sum(layers)) + max(layers, default=0) + all_gather
+    root = params - sum(layers)  # embeddings, output projection, final norms
+    gathered = root + max(layers, default=0) + all_gather
     split = dict(est.by_category)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
@@ -352,7 +353,6 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
             "activations": 0, "logits": 0, "backward": 0}
     layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
              "optimizer": est.by_category.get("optimizer", 0) / world_size, "backward": max(layers, default=0)}
-    root = params - sum(layers)
     end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "backward": root}
     split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
