@@ -532,21 +532,45 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+TRANSIENT = ("activations", "logits", "backward")  # what a training step makes and frees within itself
+
+
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
-                 marks: dict[str, int] | None = None) -> TensorMemoryTracker:
+                 marks: dict[str, int] | None = None, layers_begin: list[int] | None = None) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters, the optimizer's state (call
     it after a first step has created Adam's moments) and DDP's gradient buckets: the tracker, with the step's peak
     and its split, and ``at_start``, the bytes live when the step began.
-    ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch."""
+    ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch; ``layers_begin``, the
+    ``TRANSIENT`` bytes alive as the backward of each encoder and decoder layer of the first micro-batch begins (its
+    output's gradient made), in the order backward reaches them: what memory=fsdp's planner adds to a layer's
+    backward. (Hooks on the layers' outputs, not module backward hooks, which would change what a checkpointed
+    layer keeps.)"""
     tracker = TensorMemoryTracker(device_type)
     if marks is not None:
         trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
+    handles = []
+    if layers_begin is not None:
+        layers = [*trainer.model.encoder, *trainer.model.decoder]
+        hooked = []  # the first micro-batch's layer outputs (not a checkpointed layer's recomputed ones)
+
+        def begins(_grad) -> None:
+            layers_begin.append(sum(tracker.live_by_category.get(k, 0) for k in TRANSIENT))
+
+        def hook_output(_module, _inputs, output) -> None:
+            if output.requires_grad and len(hooked) < len(layers):
+                hooked.append(output.register_hook(begins))
+
+        handles = [layer.register_forward_hook(hook_output) for layer in layers]
     tracker.watch(trainer.model)
     tracker.track(optimizer_state(trainer.optimizer), category="optimizer")
     tracker.hold_buckets(ddp_bucket_bytes(trainer.net))
     tracker.at_start = tracker.live  # what the step starts from: parameters and optimizer state
-    with tracker:
-        trainer.step(micro_batches)
+    try:
+        with tracker:
+            trainer.step(micro_batches)
+    finally:
+        for handle in handles:
+            handle.remove()
     tracker.unwatch()
     return tracker
 

@@ -133,6 +133,9 @@ class Estimate:
     # math throughout, the fused calls' scores computed again in backward are not in it (under 1%).
     flops: int = 0
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
+    # The activations, logits and backward temporaries alive as each encoder and decoder layer's backward begins,
+    # in the order backward reaches them (the first micro-batch's; ``tracked_step``'s ``layers_begin``)
+    layers_begin: tuple[int, ...] = ()
 
     @property
     def compute(self) -> float:
@@ -265,8 +268,9 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         micro = [_fake_batch(shape) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
+        layers_begin: list[int] = []
         with FlopCount() as counter:
-            tracker = tracked_step(trainer, micro, marks=marks)
+            tracker = tracked_step(trainer, micro, marks=marks, layers_begin=layers_begin)
     return Estimate(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
@@ -278,6 +282,7 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         # the micro-batches run are equal: the others of the step do what they did
         flops=counter.total * shape.accum_steps // len(micro),
         model_flops=args.training_flops(shape.pairs, shape.src_len, shape.tgt_len) * shape.accum_steps,
+        layers_begin=tuple(layers_begin),
     )
 
 
@@ -321,9 +326,13 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     In a layer's backward: the gathered parameters, as above, the layer's unsharded gradient, and the reduce-scatter
     of the layer before it: its input, a copy of that layer's gradient (kept until the next one starts), and two
     layers' shards of gradients (1/N each: what the tracker finds there with 4 and 8 ranks), beside the sharded
-    parameters and Adam's state. With a small batch and 4 or more ranks, which divide everything else, this moment
-    is the peak. What activations are still alive then is left out: the small batch's (0.4 MB of model=small's one
-    pair of 4 tokens, 1.6% of the peak with 4 ranks).
+    parameters and Adam's state, and the activations and temporaries still alive as that layer's backward ends:
+    as the next one's begins (``Estimate.layers_begin``), from the end of the second layer backward reaches (the
+    first has no reduce-scatter before it).
+    With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; with a medium
+    one, where the step's own peak is Adam's step and the first moment holds what is alive then, it is the peak
+    with 2 ranks too (model=small, 4 pairs of 32 tokens: 13.6% and 28.8% under with 2 and 4 ranks without the
+    activations, experiments/distributed/fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
     reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
@@ -352,8 +361,9 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
             "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
             "activations": 0, "logits": 0, "backward": 0}
     layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
-             "optimizer": est.by_category.get("optimizer", 0) / world_size, "backward": max(layers, default=0)}
-    end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "backward": root}
+             "optimizer": est.by_category.get("optimizer", 0) / world_size,
+             "activations": max(est.layers_begin[2:], default=0), "backward": max(layers, default=0)}
+    end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "activations": 0, "backward": root}
     split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums

@@ -502,6 +502,19 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     for peaks in measured:
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
+    assert_medium_batch_planned(small, 2, measured)
+
+
+def assert_medium_batch_planned(small, ranks: int, measured: list[dict]) -> None:
+    """model=small's 4 pairs of 32 tokens: the step's own peak is Adam's step, its activations already freed,
+    while each rank's is a layer's backward with the activations still alive then. The estimate was 13.6% under
+    with 2 ranks and 28.8% with 4 until 2026-12-07, when that moment gained them; now 1.5% over and 0.3%."""
+    from src.planner import StepShape, estimate_step
+
+    medium = estimate_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), world_size=ranks)
+    assert medium.by_category["activations"] > 0 and medium.by_category["gathered"] > 0  # the layer's moment
+    for peaks in measured:
+        assert -0.02 < (medium.peak_bytes - peaks["fsdp_medium"]["peak"]) / peaks["fsdp_medium"]["peak"] < 0.03
 
 
 @pytest.mark.slow
@@ -538,9 +551,10 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     """With 4 ranks, the peak of a batch small against its model (model=small, one pair of 4 tokens) is neither the
     start of backward nor Adam's step, where everything but the gathered parameters is divided by the ranks, but
     a layer's backward: its unsharded gradient, the reduce-scatter's copy of the layer before's, and the gathered
-    parameters. Until 2026-12-07 the estimate left that moment out and was 7.8% under (19% with 8 ranks); it is
-    now 1.6% under (2.3% with 8), the activations of that moment left out. model=tiny's batch of 16 pairs peaks
-    at the start of backward, as with 2 ranks."""
+    parameters. Until 2026-12-07 the estimate left that moment out and was 7.8% under (19% with 8 ranks); then
+    1.6% under (2.3% with 8) without the activations alive at that moment, and now 0.2% over (0.2% with 8).
+    model=tiny's batch of 16 pairs peaks at the start of backward, as with 2 ranks; model=small's 4 pairs of 32
+    tokens in a layer's backward, with its activations (``assert_medium_batch_planned``)."""
     from src.model import ModelArgs
     from src.planner import SMALL, TINY, StepShape, estimate_step, shard_estimate
 
@@ -560,6 +574,8 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
         assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.02 < (layer.peak_bytes - measured[name]["peak"]) / measured[name]["peak"] < 0.02, name
+    assert_medium_batch_planned(small, 4, [torch.load(tmp_path / f"fsdp_peak{r}.pt", weights_only=True)
+                                           for r in range(4)])
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
