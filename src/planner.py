@@ -331,7 +331,7 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     first has no reduce-scatter before it).
     With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; with a medium
     one, where the step's own peak is Adam's step and the first moment holds what is alive then, it is the peak
-    with 2 ranks too (model=small, 4 pairs of 32 tokens: 13.6% and 28.8% under with 2 and 4 ranks without the
+    with 2 ranks too (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under with 2 and 4 ranks without the
     activations, experiments/distributed/fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it

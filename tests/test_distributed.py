@@ -508,7 +508,7 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
 def assert_medium_batch_planned(small, ranks: int, measured: list[dict]) -> None:
     """model=small's 4 pairs of 32 tokens: the step's own peak is Adam's step, its activations already freed,
     while each rank's is a layer's backward with the activations still alive then. The estimate was 13.6% under
-    with 2 ranks and 28.8% with 4 until 2026-12-07, when that moment gained them; now 1.5% over and 0.3%."""
+    with 2 ranks and 27.9% with 4 until 2026-12-07, when that moment gained them; now 1.5% and 0.3% over."""
     from src.planner import StepShape, estimate_step
 
     medium = estimate_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), world_size=ranks)
@@ -552,7 +552,7 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     start of backward nor Adam's step, where everything but the gathered parameters is divided by the ranks, but
     a layer's backward: its unsharded gradient, the reduce-scatter's copy of the layer before's, and the gathered
     parameters. Until 2026-12-07 the estimate left that moment out and was 7.8% under (19% with 8 ranks); then
-    1.6% under (2.3% with 8) without the activations alive at that moment, and now 0.2% over (0.2% with 8).
+    1.6% under (2.3% with 8) without the activations alive at that moment, and now 0.2% over (0.2-0.3% with 8).
     model=tiny's batch of 16 pairs peaks at the start of backward, as with 2 ranks; model=small's 4 pairs of 32
     tokens in a layer's backward, with its activations (``assert_medium_batch_planned``)."""
     from src.model import ModelArgs
