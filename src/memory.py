@@ -532,35 +532,67 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-TRANSIENT = ("activations", "logits", "backward")  # what a training step makes and frees within itself
+class LayerWindows(TensorMemoryTracker):
+    """A tracker that also follows the backward of each encoder and decoder layer, from its output's gradient to
+    its input's (``open``, ``close``): ``windows`` gets, for each in the order backward reaches them, the split at
+    its highest moment of what was made since it began, as (activations and logits alive then, backward
+    temporaries and parameter gradients made since it began). That is what a layer's backward adds under
+    memory=fsdp, whose other parts (gathered parameters, gradient shards) the planner knows: a checkpointed
+    layer's recomputed activations are in its window; the embeddings' gradients, made after, are not."""
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__(device_type)
+        self.windows: list[tuple[int, int]] = []
+        self._since: dict | None = None  # the open window: its layer, the gradients then, its highest, its split
+
+    def open(self, layer: int) -> None:
+        """A layer's backward begins: the one before ends where its input is the next one's output."""
+        if self._since is not None:
+            self.close(self._since["layer"])
+        c = self.live_by_category
+        self._since = {"layer": layer, "gradients": c["gradients"], "high": self.live,
+                       "split": (c["activations"] + c["logits"], c["backward"])}
+
+    def close(self, layer: int) -> None:
+        if self._since is not None and self._since["layer"] == layer:
+            self.windows.append(self._since["split"])
+            self._since = None
+
+    def _grow(self, nbytes: int, category: str, into: tuple[int, ...] = ()) -> None:
+        super()._grow(nbytes, category, into)
+        since = self._since
+        if since is not None and not into and self.live > since["high"]:
+            c = self.live_by_category
+            since["high"] = self.live
+            since["split"] = (c["activations"] + c["logits"], c["backward"] + c["gradients"] - since["gradients"])
 
 
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
-                 marks: dict[str, int] | None = None, layers_begin: list[int] | None = None) -> TensorMemoryTracker:
+                 marks: dict[str, int] | None = None, windows: list[tuple[int, int]] | None = None
+                 ) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters, the optimizer's state (call
     it after a first step has created Adam's moments) and DDP's gradient buckets: the tracker, with the step's peak
     and its split, and ``at_start``, the bytes live when the step began.
-    ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch; ``layers_begin``, the
-    ``TRANSIENT`` bytes alive as the backward of each encoder and decoder layer of the first micro-batch begins (its
-    output's gradient made), in the order backward reaches them: what memory=fsdp's planner adds to a layer's
-    backward. (Hooks on the layers' outputs, not module backward hooks, which would change what a checkpointed
-    layer keeps.)"""
-    tracker = TensorMemoryTracker(device_type)
+    ``marks`` receives the live bytes at the trainer's ledger points of the first micro-batch; ``windows``, the
+    ``LayerWindows`` of its backward (hooks on the layers' inputs and outputs: module backward hooks would change
+    what a checkpointed layer keeps)."""
+    tracker = TensorMemoryTracker(device_type) if windows is None else LayerWindows(device_type)
     if marks is not None:
         trainer.ledger = lambda point: marks.setdefault(point, tracker.live)
     handles = []
-    if layers_begin is not None:
+    if windows is not None:
         layers = [*trainer.model.encoder, *trainer.model.decoder]
-        hooked = []  # the first micro-batch's layer outputs (not a checkpointed layer's recomputed ones)
+        hooked: dict[str, list] = {"input": [], "output": []}  # the first micro-batch's (not a recomputation's)
 
-        def begins(_grad) -> None:
-            layers_begin.append(sum(tracker.live_by_category.get(k, 0) for k in TRANSIENT))
+        def hook(end: str, tensor: torch.Tensor, on_gradient) -> None:
+            if tensor.requires_grad and len(hooked[end]) < len(layers):
+                hooked[end].append(tensor.register_hook(on_gradient))
 
-        def hook_output(_module, _inputs, output) -> None:
-            if output.requires_grad and len(hooked) < len(layers):
-                hooked.append(output.register_hook(begins))
-
-        handles = [layer.register_forward_hook(hook_output) for layer in layers]
+        for i, layer in enumerate(layers):
+            handles += [
+                layer.register_forward_pre_hook(lambda _m, args, i=i: hook("input", args[0], lambda _g: tracker.close(i))),
+                layer.register_forward_hook(lambda _m, _a, out, i=i: hook("output", out, lambda _g: tracker.open(i))),
+            ]
     tracker.watch(trainer.model)
     tracker.track(optimizer_state(trainer.optimizer), category="optimizer")
     tracker.hold_buckets(ddp_bucket_bytes(trainer.net))
@@ -572,6 +604,8 @@ def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
         for handle in handles:
             handle.remove()
     tracker.unwatch()
+    if windows is not None:
+        windows += tracker.windows
     return tracker
 
 

@@ -133,9 +133,10 @@ class Estimate:
     # math throughout, the fused calls' scores computed again in backward are not in it (under 1%).
     flops: int = 0
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
-    # The activations, logits and backward temporaries alive as each encoder and decoder layer's backward begins,
-    # in the order backward reaches them (the first micro-batch's; ``tracked_step``'s ``layers_begin``)
-    layers_begin: tuple[int, ...] = ()
+    # What each encoder and decoder layer's backward holds at its highest beyond what it began with, in the order
+    # backward reaches them (the first micro-batch's): (activations and logits alive, backward temporaries and
+    # parameter gradients made): ``memory.LayerWindows``
+    layer_windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def compute(self) -> float:
@@ -268,9 +269,9 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         micro = [_fake_batch(shape) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
-        layers_begin: list[int] = []
+        windows: list[tuple[int, int]] = []
         with FlopCount() as counter:
-            tracker = tracked_step(trainer, micro, marks=marks, layers_begin=layers_begin)
+            tracker = tracked_step(trainer, micro, marks=marks, windows=windows)
     return Estimate(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
@@ -282,7 +283,7 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         # the micro-batches run are equal: the others of the step do what they did
         flops=counter.total * shape.accum_steps // len(micro),
         model_flops=args.training_flops(shape.pairs, shape.src_len, shape.tgt_len) * shape.accum_steps,
-        layers_begin=tuple(layers_begin),
+        layer_windows=tuple(windows),
     )
 
 
@@ -323,16 +324,16 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     implementation's copy of the gradients with the decay added, as large as its square roots, is freed before they
     are taken.
 
-    In a layer's backward: the gathered parameters, as above, the layer's unsharded gradient, and the reduce-scatter
-    of the layer before it: its input, a copy of that layer's gradient (kept until the next one starts), and two
-    layers' shards of gradients (1/N each: what the tracker finds there with 4 and 8 ranks), beside the sharded
-    parameters and Adam's state, and the activations and temporaries still alive as that layer's backward ends:
-    as the next one's begins (``Estimate.layers_begin``), from the end of the second layer backward reaches (the
-    first has no reduce-scatter before it).
-    With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; with a medium
-    one, where the step's own peak is Adam's step and the first moment holds what is alive then, it is the peak
-    with 2 ranks too (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under with 2 and 4 ranks without the
-    activations, experiments/distributed/fsdp_peaks.py).
+    In a layer's backward: the gathered parameters, as above, the reduce-scatter of the layer before it (its
+    input, a copy of that layer's gradient kept until the next one starts, and two layers' shards of gradients, 1/N
+    each: what the tracker finds there with 4 and 8 ranks), the sharded parameters and Adam's state, and what the
+    layer's backward holds at its highest in the single-process step: the activations still alive, its backward
+    temporaries (a checkpointed layer's recomputed activations among them) and its unsharded gradient
+    (``Estimate.layer_windows``, from the second layer backward reaches: the first has no reduce-scatter before
+    it). With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is
+    with a medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and
+    27.9% under with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens:
+    4.4% and 12.7% under without the recomputation; experiments/distributed/fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
     reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
@@ -362,7 +363,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
             "activations": 0, "logits": 0, "backward": 0}
     layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
              "optimizer": est.by_category.get("optimizer", 0) / world_size,
-             "activations": max(est.layers_begin[2:], default=0), "backward": max(layers, default=0)}
+             **dict(zip(("activations", "backward"), max(est.layer_windows[1:], key=sum, default=(0, 0)),
+                        strict=True))}
     end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "activations": 0, "backward": root}
     split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}

@@ -112,8 +112,11 @@ def fsdp_peak(out: Path, world) -> None:
     # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
     # takes it on CUDA (foreach)
     small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
-    # a medium batch, whose peak is a layer's backward with the activations still alive then
+    # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one with
+    # checkpointed layers, whose peak is a layer's backward with its recomputed activations
     peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)
+    peaks["fsdp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32),
+                                            cpu, world=world)
     for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
                                    foreach=True, weight_decay=decay)

@@ -507,14 +507,19 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
 
 def assert_medium_batch_planned(small, ranks: int, measured: list[dict]) -> None:
     """model=small's 4 pairs of 32 tokens: the step's own peak is Adam's step, its activations already freed,
-    while each rank's is a layer's backward with the activations still alive then. The estimate was 13.6% under
-    with 2 ranks and 27.9% with 4 until 2026-12-07, when that moment gained them; now 1.5% and 0.3% over."""
+    while each rank's is a layer's backward with the activations still alive then; and 16 pairs with checkpointed
+    layers, each rank's peak a layer's backward with its recomputed activations. Until 2026-12-07 that moment held
+    neither, and the estimates were 13.6% and 4.4% under with 2 ranks, 27.9% and 12.7% with 4; now 2.5% and 0.0%
+    over, 1.7% and 0.8%."""
     from src.planner import StepShape, estimate_step
 
-    medium = estimate_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), world_size=ranks)
-    assert medium.by_category["activations"] > 0 and medium.by_category["gathered"] > 0  # the layer's moment
-    for peaks in measured:
-        assert -0.02 < (medium.peak_bytes - peaks["fsdp_medium"]["peak"]) / peaks["fsdp_medium"]["peak"] < 0.03
+    for name, strategy, shape in (("fsdp_medium", MemoryStrategy(fsdp=True), StepShape(4, 32, 32)),
+                                  ("fsdp_checkpoint", MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32))):
+        est = estimate_step(small, strategy, shape, world_size=ranks)
+        assert est.by_category["activations"] > 0 and est.by_category["gathered"] > 0, name  # the layer's moment
+        for peaks in measured:
+            # (the buffer freed off the main thread moves a peak by up to a layer's worth in some runs)
+            assert -0.03 < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.04, name
 
 
 @pytest.mark.slow

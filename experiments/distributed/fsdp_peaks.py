@@ -1,6 +1,7 @@
 """memory=fsdp: each rank's tracked peak of one training step against the planner's estimate, for a batch small
 against a large vocabulary (model=tiny's layers, 30,000-piece vocabularies, one pair of 4 tokens), tied and untied,
-and for model=small (300-word vocabularies) with batches from 1 pair of 16 tokens to 16 pairs of 32.
+and for model=small (300-word vocabularies) with batches from 1 pair of 16 tokens to 16 pairs of 32, with and
+without checkpointed layers (memory=[fsdp,checkpoint]).
 
     torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py   # and 4
 
@@ -29,18 +30,20 @@ def mib(split: dict) -> dict:
 def main() -> None:
     world = world_from_env()
     with process_group(world, torch.device("cpu")):
+        fsdp = MemoryStrategy(fsdp=True)
         cases = [(f"{'tied' if tie else 'untied'} 30,000-piece vocabularies, 1 pair of 4 tokens", StepShape(1, 4, 4),
-                  ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY))
+                  ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY), fsdp)
                  for tie in (False, True)]
         small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
-        cases += [(f"model=small, {pairs} x {tokens} tokens", StepShape(pairs, tokens, tokens), small)
-                  for pairs, tokens in ((1, 16), (2, 16), (4, 16), (4, 32), (8, 32), (16, 32))]
-        for name, shape, args in cases:
-            trainer, micro = real_step(args, MemoryStrategy(fsdp=True), shape, torch.device("cpu"), world=world)
+        for strategy in (fsdp, MemoryStrategy(fsdp=True, checkpoint=True)):
+            cases += [(f"model=small, {pairs} x {tokens} tokens, {strategy.label}", StepShape(pairs, tokens, tokens),
+                       small, strategy) for pairs, tokens in ((1, 16), (2, 16), (4, 16), (4, 32), (8, 32), (16, 32))]
+        for name, shape, args, strategy in cases:
+            trainer, micro = real_step(args, strategy, shape, torch.device("cpu"), world=world)
             create_optimizer_state(trainer.optimizer)
             tracker = tracked_step(trainer, micro, "cpu")
             if world.rank == 0:
-                est = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=world.size)
+                est = estimate_step(args, strategy, shape, world_size=world.size)
                 print(f"{world.size} ranks, {name}: tracked {tracker.peak / 2**20:.2f} MiB "
                       f"{mib(tracker.peak_by_category)}")
                 print(f"  estimate {est.peak_bytes / 2**20:.2f} MiB {mib(est.by_category)} "
