@@ -546,7 +546,7 @@ class LayerWindows(TensorMemoryTracker):
         self._since: dict | None = None  # the open window: its layer, the gradients then, its highest, its split
 
     def open(self, layer: int) -> None:
-        """A layer's backward begins: the one before ends where its input is the next one's output."""
+        """A layer's backward begins, as the one still open ends: that one's input is this one's output."""
         if self._since is not None:
             self.close(self._since["layer"])
         c = self.live_by_category

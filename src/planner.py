@@ -361,10 +361,10 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     step = {"parameters": split["parameters"], "gathered": 0, "gradients": shard,
             "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
             "activations": 0, "logits": 0, "backward": 0}
+    activations, backward = max(est.layer_windows[1:], key=sum, default=(0, 0))  # the largest layer's backward
     layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
-             "optimizer": est.by_category.get("optimizer", 0) / world_size,
-             **dict(zip(("activations", "backward"), max(est.layer_windows[1:], key=sum, default=(0, 0)),
-                        strict=True))}
+             "optimizer": est.by_category.get("optimizer", 0) / world_size, "activations": activations,
+             "backward": backward}
     end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "activations": 0, "backward": root}
     split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
