@@ -572,15 +572,14 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     assert layer.by_category["backward"] > 0  # the moment of a layer's backward
     vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
     end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=4).peak_bytes
-    for rank in range(4):
-        measured = torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True)
+    ranks = [torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True) for rank in range(4)]
+    for measured in ranks:
         # the buffer freed off the main thread moves this peak by up to a layer's worth (0.9% of it) in some runs
         assert -0.015 < (batch - measured["fsdp"]["peak"]) / measured["fsdp"]["peak"] < 0.02
         assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.02 < (layer.peak_bytes - measured[name]["peak"]) / measured[name]["peak"] < 0.02, name
-    assert_medium_batch_planned(small, 4, [torch.load(tmp_path / f"fsdp_peak{r}.pt", weights_only=True)
-                                           for r in range(4)])
+    assert_medium_batch_planned(small, 4, ranks)
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
