@@ -309,7 +309,7 @@ def with_ddp_buckets(est: Estimate) -> Estimate:
 
 def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu") -> Estimate:
     """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
-    the rest), at the largest of four moments.
+    the rest), at the largest of five moments.
 
     In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are
     divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (embeddings, output
@@ -339,6 +339,15 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
     untied vocabulary and a small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py).
 
+    As forward begins: the root unit's parameters gathered, its all-gather's buffer not yet freed as the first
+    layer's gathering begins (that layer's parameters and buffer), the sharded parameters and Adam's state.
+
+    Accumulating (``shape.accum_steps`` > 1), gradients stay sharded between micro-batches (FSDP reduce-scatters in
+    each backward and adds the shards), so a later micro-batch's moments hold every gradient shard already: its
+    layers' backward (the reduce-scatter adding into them, rather than making two layers' shards), the end of its
+    backward, and the start of its forward, which is then the peak with a large untied vocabulary and a small
+    batch (without them the estimate was up to 12.7% under: experiments/distributed/fsdp_peaks.py).
+
     Checked against 2-rank and 4-rank runs in tests/test_distributed.py."""
     with torch.device("meta"):
         model = Transformer(args)
@@ -351,6 +360,10 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
     root = params - sum(layers)  # embeddings, output projection, final norms
     gathered = root + max(layers, default=0) + all_gather
+    in_layers = {id(p) for unit in units for p in unit}
+    # forward's start: the root unit gathered, its all-gather's buffer not yet freed, and the first layer's gathering
+    starting = (root + sum(n for i, n in padded.items() if i not in in_layers)
+                + sum(size[id(p)] + padded[id(p)] for p in units[0]) if units else root)
     split = dict(est.by_category)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
@@ -361,12 +374,15 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     step = {"parameters": split["parameters"], "gathered": 0, "gradients": shard,
             "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
             "activations": 0, "logits": 0, "backward": 0}
+    held = shard if est.shape.accum_steps > 1 else 0  # every gradient shard, from the micro-batches before
     activations, backward = max(est.layer_windows[1:], key=sum, default=(0, 0))  # the largest layer's backward
-    layer = {**step, "gathered": gathered, "gradients": all_gather * (1 + 2 / world_size),
+    layer = {**step, "gathered": gathered, "gradients": all_gather + (held or all_gather * 2 / world_size),
              "optimizer": est.by_category.get("optimizer", 0) / world_size, "activations": activations,
              "backward": backward}
-    end = {**layer, "gathered": root, "gradients": sum(layers) / world_size, "activations": 0, "backward": root}
-    split = max((split, step, layer, end), key=lambda moment: sum(moment.values()))
+    end = {**layer, "gathered": root, "gradients": held or sum(layers) / world_size, "activations": 0,
+           "backward": root}
+    forward = {**end, "gathered": starting, "gradients": held, "backward": 0}
+    split = max((split, step, layer, end, forward), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 

@@ -105,6 +105,9 @@ def fsdp_peak(out: Path, world) -> None:
     # a batch small against a large untied vocabulary, whose peak is the end of backward
     vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
     peaks["fsdp_vocab"] = measure_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world)
+    # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
+    peaks["fsdp_vocab_accum"] = measure_step(vocab, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 4, 4, 2),
+                                             cpu, world=world)
     # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
     for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)):
         trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
@@ -117,6 +120,9 @@ def fsdp_peak(out: Path, world) -> None:
     peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)
     peaks["fsdp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32),
                                             cpu, world=world)
+    # accumulating: a later micro-batch's layer's backward, every gradient shard held already
+    peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
+                                       world=world)
     for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
                                    foreach=True, weight_decay=decay)

@@ -1,7 +1,8 @@
 """memory=fsdp: each rank's tracked peak of one training step against the planner's estimate, for a batch small
 against a large vocabulary (model=tiny's layers, 30,000-piece vocabularies, one pair of 4 tokens), tied and untied,
 and for model=small (300-word vocabularies) with batches from 1 pair of 16 tokens to 16 pairs of 32, with and
-without checkpointed layers (memory=[fsdp,checkpoint]).
+without checkpointed layers (memory=[fsdp,checkpoint]); each in one micro-batch, then accumulated over two
+(memory=[fsdp,accum] with memory.accum_steps=2: micro-batches of that size).
 
     torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py   # and 4
 
@@ -30,14 +31,18 @@ def mib(split: dict) -> dict:
 def main() -> None:
     world = world_from_env()
     with process_group(world, torch.device("cpu")):
-        fsdp = MemoryStrategy(fsdp=True)
-        cases = [(f"{'tied' if tie else 'untied'} 30,000-piece vocabularies, 1 pair of 4 tokens", StepShape(1, 4, 4),
-                  ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY), fsdp)
-                 for tie in (False, True)]
+        cases = []
         small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
-        for strategy in (fsdp, MemoryStrategy(fsdp=True, checkpoint=True)):
-            cases += [(f"model=small, {pairs} x {tokens} tokens, {strategy.label}", StepShape(pairs, tokens, tokens),
-                       small, strategy) for pairs, tokens in ((1, 16), (2, 16), (4, 16), (4, 32), (8, 32), (16, 32))]
+        for accum in (1, 2):
+            cases += [(f"{'tied' if tie else 'untied'} 30,000-piece vocabularies, 1 pair of 4 tokens"
+                       + ", 2 micro-batches" * (accum > 1), StepShape(1, 4, 4, accum),
+                       ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY),
+                       MemoryStrategy(fsdp=True, accum_steps=accum)) for tie in (False, True)]
+            for checkpoint in (False, True):
+                strategy = MemoryStrategy(fsdp=True, checkpoint=checkpoint, accum_steps=accum)
+                cases += [(f"model=small, {pairs} x {tokens} tokens, {strategy.label}",
+                           StepShape(pairs, tokens, tokens, accum), small, strategy)
+                          for pairs, tokens in ((1, 16), (2, 16), (4, 16), (4, 32), (8, 32), (16, 32))]
         for name, shape, args, strategy in cases:
             trainer, micro = real_step(args, strategy, shape, torch.device("cpu"), world=world)
             create_optimizer_state(trainer.optimizer)
