@@ -90,20 +90,30 @@ def run_case(world, accum: int, agree: bool, counts: dict) -> dict:
     return {"params": [p.detach().clone() for p in model.parameters()], "hook_calls": calls, "backoffs": backoffs}
 
 
+def peak_models() -> tuple:
+    """``fsdp_peak``'s models, which tests/test_distributed.py plans: model=tiny's layers with the validation
+    case's vocabularies and with untied 30,000-piece ones (a batch small against its vocabulary), and model=small
+    with 300-word ones (a model large against its batch)."""
+    from src.model import ModelArgs
+    from src.planner import SMALL, TINY
+
+    return (ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY),
+            ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY),
+            ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL))
+
+
 def fsdp_peak(out: Path, world) -> None:
     """The planner's and the ledger's checks (on 2 or 4 ranks), under memory=fsdp and under DDP: each rank's tracked
     peak of a real training step (the validation case's model and batch), against what src/planner.py estimates
     for one rank, and the split of three steps."""
     from src.memory import tracked_step
-    from src.model import ModelArgs
-    from src.planner import SMALL, TINY, StepShape, measure_step, real_step
+    from src.planner import StepShape, measure_step, real_step
 
-    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
+    args, vocab, small = peak_models()
     cpu = torch.device("cpu")
     peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
              for name, fsdp in (("fsdp", True), ("ddp", False))}
     # a batch small against a large untied vocabulary, whose peak is the end of backward
-    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
     peaks["fsdp_vocab"] = measure_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world)
     # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
     peaks["fsdp_vocab_accum"] = measure_step(vocab, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 4, 4, 2),
@@ -114,7 +124,6 @@ def fsdp_peak(out: Path, world) -> None:
         peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
     # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
     # takes it on CUDA (foreach)
-    small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one with
     # checkpointed layers, whose peak is a layer's backward with its recomputed activations
     peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)

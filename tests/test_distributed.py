@@ -25,7 +25,7 @@ from src.errors import ConfigError
 from src.memory import MemoryStrategy, memory_strategy
 
 from .conftest import FAST, compose_config
-from .ddp_worker import ORDER
+from .ddp_worker import ORDER, peak_models
 from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer, read_jsonl
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
@@ -470,16 +470,14 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     the estimate was 3.6% under: it left out the all-gather's buffer, live beside the layer gathered in backward;
     and where Adam's step is the peak (a model large against its batch), with the foreach implementation that
     sharded parameters take on CUDA, 12% under: it left out its square roots of every shard's exp_avg_sq."""
-    from src.model import ModelArgs
-    from src.planner import SMALL, TINY, StepShape, estimate_step, shard_estimate
+    from src.planner import StepShape, estimate_step, shard_estimate
 
     measured = [torch.load(worker_cases / f"fsdp_peak{r}.pt", weights_only=True) for r in (0, 1)]
-    args = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
+    args, vocab, small = peak_models()
     shape = StepShape(16, 21, 19)
     sharded = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=2)
     whole = estimate_step(args, MemoryStrategy(), shape)
     ddp = estimate_step(args, MemoryStrategy(), shape, world_size=2)
-    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
     end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=2)
     assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
     for peaks in measured:
@@ -494,7 +492,6 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     assert sharded.peak_bytes < whole.peak_bytes
     # the optimizer step's moment, as on CUDA (the CPU's trace: CUDA's attention keeps less, which this batch of
     # 4 tokens hardly has), against the foreach step measured on the CPU
-    small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
     step = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 2, device="cuda")
     assert step.by_category["gathered"] == step.by_category["backward"] == 0  # the step's moment: nothing gathered
     # The plan leaves optim.weight_decay out. Adam with it adds the decay into a new copy of every gradient shard,
@@ -502,10 +499,10 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     for peaks in measured:
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
-    assert_medium_batch_planned(small, 2, measured)
+    assert_layer_and_accumulated_moments_planned(2, measured)
 
 
-def assert_medium_batch_planned(small, ranks: int, measured: list[dict]) -> None:
+def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict]) -> None:
     """model=small's 4 pairs of 32 tokens: the step's own peak is Adam's step, its activations already freed,
     while each rank's is a layer's backward with the activations still alive then; and 16 pairs with checkpointed
     layers, each rank's peak a layer's backward with its recomputed activations. Until 2026-12-07 that moment held
@@ -516,10 +513,9 @@ def assert_medium_batch_planned(small, ranks: int, measured: list[dict]) -> None
     every gradient shard of the first held; and with a large untied vocabulary, the second's forward as it begins,
     the root unit gathered (its all-gather's buffer not yet freed) as the first layer gathers. Until 2026-12-07 the
     plan held neither, and was 8.0% and 12.7% under with 2 ranks, 10.4% and 9.1% with 4; now 0.0% under."""
-    from src.model import ModelArgs
-    from src.planner import TINY, StepShape, estimate_step
+    from src.planner import StepShape, estimate_step
 
-    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
+    _, vocab, small = peak_models()
     accum = MemoryStrategy(fsdp=True, accum_steps=2)
     for name, args, strategy, shape in (
             ("fsdp_medium", small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32)),
@@ -545,11 +541,10 @@ def test_the_ledger_counts_fsdps_gathered_parameters_in_every_step_as_gathered(w
     split of every step is then one layer off, its peak 0.8% higher). Until 2026-12-06 the first step counted them
     as activations (8.7% above DDP's), and a later step did not count them at all: FSDP gathers into the storages
     of the first step, resized, which a new tracker had not seen."""
-    from src.model import ModelArgs, Transformer
-    from src.planner import TINY
+    from src.model import Transformer
 
     with torch.device("meta"):
-        model = Transformer(ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY))
+        model = Transformer(peak_models()[0])
     size = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     layers = [sum(size[id(p)] for p in layer.parameters()) for layer in [*model.encoder, *model.decoder]]
     root, layer = sum(size.values()) - sum(layers), max(layers)
@@ -571,18 +566,15 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     parameters. Until 2026-12-07 the estimate left that moment out and was 7.8% under (19% with 8 ranks); then
     1.6% under (2.3% with 8) without the activations alive at that moment, and now 0.2% over (0.2-0.3% with 8).
     model=tiny's batch of 16 pairs peaks at the start of backward, as with 2 ranks; model=small's 4 pairs of 32
-    tokens in a layer's backward, with its activations, and accumulated steps (``assert_medium_batch_planned``)."""
-    from src.model import ModelArgs
-    from src.planner import SMALL, TINY, StepShape, estimate_step, shard_estimate
+    tokens in a layer's backward, with its activations, and accumulated steps (``assert_layer_and_accumulated_moments_planned``)."""
+    from src.planner import StepShape, estimate_step, shard_estimate
 
     proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-peak", nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tiny = ModelArgs(src_vocab=300, tgt_vocab=250, pad_id=PAD, **TINY)
-    small = ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL)
+    tiny, vocab, small = peak_models()
     batch = estimate_step(tiny, MemoryStrategy(fsdp=True), StepShape(16, 21, 19), world_size=4).peak_bytes
     layer = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 4, device="cuda")
     assert layer.by_category["backward"] > 0  # the moment of a layer's backward
-    vocab = ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=False, **TINY)
     end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=4).peak_bytes
     ranks = [torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True) for rank in range(4)]
     for measured in ranks:
@@ -591,7 +583,7 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
         assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.02 < (layer.peak_bytes - measured[name]["peak"]) / measured[name]["peak"] < 0.02, name
-    assert_medium_batch_planned(small, 4, ranks)
+    assert_layer_and_accumulated_moments_planned(4, ranks)
 
 
 def test_one_process_keeps_the_gpu_it_was_given_and_each_rank_takes_its_own(monkeypatch):
