@@ -357,13 +357,12 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     params = sum(size.values())
     units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
     layers = [sum(size[id(p)] for p in unit) for unit in units]
-    all_gather = max((sum(padded[id(p)] for p in unit) for unit in units), default=0)
+    buffers = [sum(padded[id(p)] for p in unit) for unit in units]  # each layer's all-gather buffer
+    all_gather = max(buffers, default=0)
     root = params - sum(layers)  # embeddings, output projection, final norms
     gathered = root + max(layers, default=0) + all_gather
-    in_layers = {id(p) for unit in units for p in unit}
     # forward's start: the root unit gathered, its all-gather's buffer not yet freed, and the first layer's gathering
-    starting = (root + sum(n for i, n in padded.items() if i not in in_layers)
-                + sum(size[id(p)] + padded[id(p)] for p in units[0]) if units else root)
+    starting = root + sum(padded.values()) - sum(buffers) + (layers[0] + buffers[0] if units else 0)
     split = dict(est.by_category)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", split.get("optimizer", 0))):
