@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node=2 tests/ddp_worker.py OUT_DIR CASE [CASE ...]
 
-CASE: ACCUM_STEPS or ACCUM_STEPS:agree (below), fsdp-peak (``fsdp_peak``) or main-first (``main_first``), one
-after the other in one process group: one launch instead of one per case (each launch imports torch twice,
-seconds on 2 cores).
+CASE: ACCUM_STEPS or ACCUM_STEPS:agree (below), fsdp-peak or fsdp-plan (``fsdp_peak``) or main-first
+(``main_first``), one after the other in one process group: one launch instead of one per case (each launch
+imports torch twice, seconds on 2 cores).
 
 Three batches of the test split make two optimizer steps (the second has one batch for two ranks, so rank 1
 runs the dummy batch). Each rank writes its parameters after the steps, the number of DDP communication-hook
@@ -16,6 +16,7 @@ does.
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -102,24 +103,26 @@ def peak_models() -> tuple:
             ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL))
 
 
-def fsdp_peak(out: Path, world) -> None:
+def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     """The planner's and the ledger's checks (on 2 or 4 ranks), under memory=fsdp and under DDP: each rank's tracked
     peak of a real training step (the validation case's model and batch), against what src/planner.py estimates
-    for one rank, and the split of three steps."""
+    for one rank, and the split of three steps. Without ``ledger`` (fsdp-plan, the 4-rank test) only the FSDP
+    peaks that the planner is checked against: not DDP's, the split of three steps, nor Adam with weight decay,
+    which the 2-rank tests read (seconds of a 4-rank launch on 2 cores)."""
     from src.memory import tracked_step
     from src.planner import StepShape, measure_step, real_step
 
     args, vocab, small = peak_models()
     cpu = torch.device("cpu")
     peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
-             for name, fsdp in (("fsdp", True), ("ddp", False))}
+             for name, fsdp in (("fsdp", True), ("ddp", False)) if fsdp or ledger}
     # a batch small against a large untied vocabulary, whose peak is the end of backward
     peaks["fsdp_vocab"] = measure_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world)
     # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
     peaks["fsdp_vocab_accum"] = measure_step(vocab, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 4, 4, 2),
                                              cpu, world=world)
     # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
-    for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)):
+    for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)) if ledger else ():
         trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
         peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
     # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
@@ -132,7 +135,7 @@ def fsdp_peak(out: Path, world) -> None:
     # accumulating: a later micro-batch's layer's backward, every gradient shard held already
     peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
                                        world=world)
-    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)):  # with weight decay: Adam's grad + wd * param
+    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01))[:2 if ledger else 1]:  # with weight decay: Adam's grad + wd * param
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
                                    foreach=True, weight_decay=decay)
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
@@ -152,7 +155,7 @@ def main_first(out: Path, world) -> None:
     torch.save({"from_cache": encoded.from_cache}, out / f"main_first{world.rank}.pt")
 
 
-OTHER_CASES = {"fsdp-peak": fsdp_peak, "main-first": main_first}
+OTHER_CASES = {"fsdp-peak": fsdp_peak, "fsdp-plan": partial(fsdp_peak, ledger=False), "main-first": main_first}
 
 
 def exit_without_interpreter_shutdown() -> None:
