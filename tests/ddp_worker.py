@@ -132,6 +132,10 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)
     peaks["fsdp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32),
                                             cpu, world=world)
+    # bf16 autocast over checkpointed layers, whose casts of the gathered weights autocast's cache kept through
+    # forward (src/model.py's uncached_autocast): forward's end was the peak with 4 ranks
+    peaks["fsdp_amp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True),
+                                                StepShape(1, 16, 16), cpu, world=world)
     # accumulating: a later micro-batch's layer's backward, every gradient shard held already
     peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
                                        world=world)

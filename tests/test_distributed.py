@@ -512,7 +512,11 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
     Accumulating over 2 micro-batches of 1 pair of 16 tokens, the peak is a layer's backward in the second, with
     every gradient shard of the first held; and with a large untied vocabulary, the second's forward as it begins,
     the root unit gathered (its all-gather's buffer not yet freed) as the first layer gathers. Until 2026-12-07 the
-    plan held neither, and was 8.0% and 12.7% under with 2 ranks, 10.4% and 9.1% with 4; now 0.0% under."""
+    plan held neither, and was 8.0% and 12.7% under with 2 ranks, 10.4% and 9.1% with 4; now 0.0% under.
+
+    bf16 autocast over checkpointed layers, 1 pair of 16 tokens: until 2026-12-07 autocast's cache kept every
+    layer's bf16 cast of its gathered weights until forward ended, where the peak was then (no rank divides them),
+    the plan 11.6% under it with 4 ranks; now a layer's backward, 0.0% (src/model.py's ``uncached_autocast``)."""
     from src.planner import StepShape, estimate_step
 
     _, vocab, small = peak_models()
@@ -520,6 +524,8 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
     for name, args, strategy, shape in (
             ("fsdp_medium", small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32)),
             ("fsdp_checkpoint", small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32)),
+            ("fsdp_amp_checkpoint", small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True),
+             StepShape(1, 16, 16)),
             ("fsdp_accum", small, accum, StepShape(1, 16, 16, 2)),
             ("fsdp_vocab_accum", vocab, accum, StepShape(1, 4, 4, 2))):
         est = estimate_step(args, strategy, shape, world_size=ranks)

@@ -99,6 +99,25 @@ def test_checkpointing_saves_activation_memory():
     assert ckpt < 0.6 * plain
 
 
+def test_checkpointed_layers_under_autocast_keep_no_half_precision_copy_of_their_weights():
+    """memory=[amp,checkpoint]: a checkpointed layer saves nothing for backward, its weights' bf16 casts included.
+    Autocast's cache kept each cast until forward ended, so every layer's weights were held again at 2 bytes a
+    parameter: under memory=fsdp a copy of the gathered layers on every rank, its peak with 4 ranks
+    (src/model.py's ``uncached_autocast``). Tracked here: what forward allocates, one pair of 4 tokens."""
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(src_vocab=100, tgt_vocab=100, pad_id=PAD, d_model=128, n_heads=4, d_ff=1024,
+                                  encoder_layers=4, decoder_layers=4))
+    model.checkpoint_layers = True
+    layers = sum(p.numel() for layer in [*model.encoder, *model.decoder] for p in layer.parameters())
+    src = torch.randint(4, 100, (1, 4))
+    tracker = TensorMemoryTracker()
+    with tracker, torch.autocast("cpu", torch.bfloat16):
+        loss, _ = batch_loss(model.train(), Batch(src, src, src, 4, 4), PAD, 0.1)
+    assert loss.requires_grad
+    # one weight's cast at a time (0.3 MB), not every layer's (5.9 MB with the cache)
+    assert tracker.peak < 0.25 * 2 * layers, tracker.peak_by_category
+
+
 def test_bf16_training_still_reduces_the_loss():
     """Under bf16 autocast (the output projection's products in bf16 at every step, seen by a hook), 40 steps
     still reduce the loss."""
