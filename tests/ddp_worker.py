@@ -139,7 +139,8 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     # accumulating: a later micro-batch's layer's backward, every gradient shard held already
     peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
                                        world=world)
-    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01))[:2 if ledger else 1]:  # with weight decay: Adam's grad + wd * param
+    # with weight decay: Adam's grad + wd * param
+    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)) if ledger else (("fsdp_step", 0.0),):
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
                                    foreach=True, weight_decay=decay)
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")

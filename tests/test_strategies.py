@@ -114,7 +114,7 @@ def test_checkpointed_layers_under_autocast_keep_no_half_precision_copy_of_their
     with tracker, torch.autocast("cpu", torch.bfloat16):
         loss, _ = batch_loss(model.train(), Batch(src, src, src, 4, 4), PAD, 0.1)
     assert loss.requires_grad
-    # one weight's cast at a time (0.3 MB), not every layer's (5.9 MB with the cache)
+    # one weight's cast at a time (0.3 MB), not every layer's (5.8 MB with the cache)
     assert tracker.peak < 0.25 * 2 * layers, tracker.peak_by_category
 
 
