@@ -412,12 +412,14 @@ def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_
 @pytest.mark.slow
 def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_like_ddp(tmp_path, shared_cache):
     """194 pairs in batches of 64: one batch of the epoch has 2 pairs, 2 micro-batches where the other rank's 64
-    make 4 (in step 2: without the repeated micro-batch, this test timed out). Every micro-batch's forward and backward runs FSDP's collectives, so the rank with fewer waited
-    for the other's third forever (a hang, until the process group's 30-minute timeout): it now repeats one with
-    its loss multiplied by 0, and the run's losses are DDP's."""
+    make 4 (in step 2: without the repeated micro-batch, this test timed out). Every micro-batch's forward and
+    backward runs FSDP's collectives, so the rank with fewer waited for the other's third forever (a hang, until
+    the process group's 30-minute timeout): it now repeats one with its loss multiplied by 0, and the run's losses
+    are DDP's. Both under bf16 autocast, FSDP's layers checkpointed too (what a run short of memory combines): the
+    same arithmetic as DDP's, checkpointed or not."""
     run = [*FAST, "data.train_size=194", "data.batch_size=64", "memory.accum_steps=4", "trainer.max_steps=2",
            "trainer.log_every=1", "trainer.eval_every=2", "logger=none", f"paths.cache_dir={shared_cache}"]
-    for name, memory in (("ddp", "memory=accum"), ("fsdp", "memory=[fsdp,accum]")):
+    for name, memory in (("ddp", "memory=[accum,amp]"), ("fsdp", "memory=[fsdp,accum,amp,checkpoint]")):
         proc = torchrun(str(ROOT / "train.py"), *run, memory, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, fsdp = (losses(tmp_path / name) for name in ("ddp", "fsdp"))
