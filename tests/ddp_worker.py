@@ -125,8 +125,6 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)) if ledger else ():
         trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
         peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
-    # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
-    # takes it on CUDA (foreach)
     # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one with
     # checkpointed layers, whose peak is a layer's backward with its recomputed activations
     peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)
@@ -139,7 +137,8 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     # accumulating: a later micro-batch's layer's backward, every gradient shard held already
     peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
                                        world=world)
-    # with weight decay: Adam's grad + wd * param
+    # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
+    # takes it on CUDA (foreach); with weight decay, Adam's grad + wd * param
     for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)) if ledger else (("fsdp_step", 0.0),):
         peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
                                    foreach=True, weight_decay=decay)
