@@ -211,7 +211,7 @@ def ddp_bucket_bytes(net: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
 
 
-def fully_shard_net(net: torch.nn.Module) -> None:
+def fully_shard_net(net: torch.nn.Module, param_dtype: torch.dtype | None = None) -> None:
     """memory=fsdp: FSDP2 (``fully_shard``) over the ranks, one unit per encoder and decoder layer and one for the
     rest (embeddings, final norms, output projection: tied weights stay in one unit), with ``net`` (the
     trainer's LossModule, whose forward is the whole step) as the root. Each unit's parameters are gathered
@@ -222,13 +222,18 @@ def fully_shard_net(net: torch.nn.Module) -> None:
     gradients only at the end of backward, in the root's final callback (their input, token ids, takes no
     gradient, to which FSDP attaches a unit's post-backward hook), holding the target table gathered and its full
     gradient through the encoder's backward: one step of a large untied vocabulary's small batch peaked 4% higher
-    (experiments/distributed/fsdp_peaks.py), for 3.7% lower on the reference workload."""
-    from torch.distributed.fsdp import fully_shard
+    (experiments/distributed/fsdp_peaks.py), for 3.7% lower on the reference workload.
 
+    ``param_dtype`` (memory.fsdp_param_dtype): each unit gathers its parameters in that dtype and casts the floating
+    tensors of its input to it (FSDP2's ``MixedPrecisionPolicy``); gradients are reduce-scattered in fp32, into the
+    fp32 shards that Adam steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     model = net.model
     for layer in [*model.encoder, *model.decoder]:
-        fully_shard(layer)
-    fully_shard(net)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[dict, dict]:

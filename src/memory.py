@@ -65,6 +65,9 @@ class MemoryStrategy:
     # torchrun (see backoffs)
     oom_retries: int | None = None
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state over the ranks (FSDP2)
+    # memory=[fsdp,amp]: "bf16" gathers each unit's parameters in bf16 and computes in it (FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)); None: gathered in fp32, cast by autocast
+    fsdp_param_dtype: str | None = None
     max_tokens: int | None = None  # data.max_tokens: the token budget of one optimizer step's batch
 
     def __post_init__(self):
@@ -84,6 +87,11 @@ class MemoryStrategy:
             raise ConfigError(f"memory.oom_retries={self.oom_retries} with memory=fsdp: FSDP reduce-scatters gradients "
                               "inside every backward pass, so its ranks cannot redo a step together; set it to 0 or "
                               "null, and plan first (plan.py)")
+        if self.fsdp_param_dtype is not None and (self.fsdp_param_dtype != "bf16" or not self.fsdp
+                                                  or self.amp != "bf16"):
+            raise ConfigError(f"memory.fsdp_param_dtype={self.fsdp_param_dtype}: expected bf16 with memory=[fsdp,amp] "
+                              "and memory.amp=bf16 (FSDP gathers the parameters in bf16 and autocast computes in it), "
+                              "or null")
         budget = self.budget_gb
         if self.auto and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
                               and math.isfinite(budget)):
@@ -115,12 +123,17 @@ class MemoryStrategy:
                 ("checkpoint", self.checkpoint),
                 ("chunked_ce", self.loss_chunk),
                 ("trim_vocab", self.trim_vocab),
-                ("fsdp", self.fsdp),
+                ("fsdp(bf16)" if self.fsdp_param_dtype else "fsdp", self.fsdp),
             )
             if on
         ]
         label = "+".join(parts) or "none"
         return f"auto({label})" if self.auto else label
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """memory.fsdp_param_dtype's dtype: what FSDP gathers the parameters in (None: theirs, fp32)."""
+        return AMP_DTYPES[self.fsdp_param_dtype] if self.fsdp_param_dtype else None
 
     @property
     def amp_dtype(self) -> torch.dtype | None:

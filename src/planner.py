@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from .data.batching import Batch
 from .data.encode import seq_lengths
@@ -224,7 +225,8 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     # What the step reads of the strategy (the rest is batching, planning and sharding, applied here or by the
     # caller): the step run, and the key of the fake steps run before
     planned = MemoryStrategy(amp="bf16" if strategy.amp == "fp16" else strategy.amp, checkpoint=strategy.checkpoint,
-                             loss_chunk=strategy.loss_chunk)
+                             loss_chunk=strategy.loss_chunk, fsdp=strategy.fsdp_param_dtype is not None,
+                             fsdp_param_dtype=strategy.fsdp_param_dtype)
     kernels = planned_attention(attention, device, args, half=planned.amp is not None)
     if device == "cuda" and kernels != [SDPBackend.MATH]:
         # CUDA's fused attention kernels draw the attention dropout again from their seed in backward and keep
@@ -236,7 +238,7 @@ def estimate_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, l
     known = _FAKE_STEPS[key]
     est = dataclasses.replace(known, by_category=dict(known.by_category), seconds=time.perf_counter() - started)
     if strategy.fsdp:
-        est = shard_estimate(est, args, world_size, device)
+        est = shard_estimate(est, args, world_size, device, strategy.param_dtype)
     elif world_size > 1:
         est = with_ddp_buckets(est)
     return dataclasses.replace(est, workspace=cublas_workspaces()) if device == "cuda" else est
@@ -254,11 +256,16 @@ def forget_estimates() -> None:
 
 def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label_smoothing: float,
                clip_grad_norm: float | None, kernels: list[SDPBackend] | None) -> Estimate:
-    """``estimate_step``'s step on fake tensors, as one process runs it, attending with ``kernels``."""
+    """``estimate_step``'s step on fake tensors, as one process runs it, attending with ``kernels``. With
+    memory.fsdp_param_dtype, as FSDP's units compute: the parameters (not the buffers) in that dtype, and each
+    layer's floating inputs cast to it (``shard_estimate`` sizes the fp32 shards, their gradients and Adam's state,
+    which it then holds)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(), _EveryPositionIsReal(), attention_kernels(kernels):
         model = Transformer(args)
+        if planned.param_dtype is not None:
+            _compute_in(model, planned.param_dtype)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
         trainer = Trainer(model, optimizer, scheduler, planned, torch.device("cpu"), args.pad_id, label_smoothing,
@@ -307,9 +314,28 @@ def with_ddp_buckets(est: Estimate) -> Estimate:
     return dataclasses.replace(est, peak_bytes=est.peak_bytes + buckets, by_category=split)
 
 
-def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu") -> Estimate:
+def _compute_in(model: Transformer, dtype: torch.dtype) -> None:
+    """A model's parameters in ``dtype``, and its layers' floating inputs cast to it as they enter: what FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=dtype)`` computes with (each unit's parameters gathered in ``dtype``, each
+    unit's floating inputs cast), in one process."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+
+    def cast(_module, args, kwargs):
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+
+    for layer in [*model.encoder, *model.decoder]:
+        layer.register_forward_pre_hook(cast, with_kwargs=True)
+
+
+def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str = "cpu",
+                   param_dtype: torch.dtype | None = None) -> Estimate:
     """One rank's share of a single-process estimate under memory=fsdp (FSDP2, one unit per layer and one for
-    the rest), at the largest of five moments.
+    the rest), at the largest of the moments below. With ``param_dtype`` (memory.fsdp_param_dtype: FSDP2's
+    MixedPrecisionPolicy), ``est`` is the step as the units compute (``_fake_step``: parameters in that dtype,
+    each layer's input cast to it), and everything gathered is in that dtype; the shards, their gradients, the
+    reduce-scatters and Adam's state stay fp32.
 
     In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are
     divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (embeddings, output
@@ -324,20 +350,25 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     implementation's copy of the gradients with the decay added, as large as its square roots, is freed before they
     are taken.
 
-    In a layer's backward: the gathered parameters, as above, the reduce-scatter of the layer before it (its
-    input, a copy of that layer's gradient kept until the next one starts, and two layers' shards of gradients, 1/N
-    each: what the tracker finds there with 4 and 8 ranks), the sharded parameters and Adam's state, and what the
-    layer's backward holds at its highest in the single-process step: the activations still alive, its backward
-    temporaries (a checkpointed layer's recomputed activations among them) and its unsharded gradient
-    (``Estimate.layer_windows``, from the second layer backward reaches: the first has no reduce-scatter before
-    it). With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is
+    In each layer's backward (from the second backward reaches: the first has no reduce-scatter before it): the
+    root unit and that layer gathered, with the all-gather's buffer, the reduce-scatter of the layer before it (its
+    input, a copy of that layer's gradient kept until the next one starts), the gradient shards of all the layers
+    before it, 1/N each, the sharded parameters and Adam's state, and what the layer's backward holds at its highest
+    in the single-process step: the activations still alive, its backward temporaries (a checkpointed layer's
+    recomputed activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until
+    2026-12-07 one moment took the largest window with two layers' shards; with bf16 parameters a checkpointed
+    step's peak is a later layer's, with more shards, 2.5% above it (4 ranks). With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is
     with a medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and
     27.9% under with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens:
     4.4% and 12.7% under without the recomputation; experiments/distributed/fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
     reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
-    untied vocabulary and a small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py).
+    untied vocabulary and a small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py). Then the
+    root resharded: its unsharded gradients copied into its reduce-scatter's fp32 input (with bf16 parameters, the
+    larger moment: the peak with 4 ranks), and that reduce-scatter's output beside the input while the source
+    embedding's gradient, the last that backward makes, is still held (the peak with 2 ranks); with bf16
+    parameters, a large vocabulary's estimate was up to 20.3% under without them.
 
     As forward begins: the root unit's parameters gathered, its all-gather's buffer not yet freed as the first
     layer's gathering begins (that layer's parameters and buffer), the sharded parameters and Adam's state.
@@ -358,30 +389,44 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     units = [list(layer.parameters()) for layer in [*model.encoder, *model.decoder]]
     layers = [sum(size[id(p)] for p in unit) for unit in units]
     buffers = [sum(padded[id(p)] for p in unit) for unit in units]  # each layer's all-gather buffer
-    all_gather = max(buffers, default=0)
     root = params - sum(layers)  # embeddings, output projection, final norms
-    gathered = root + max(layers, default=0) + all_gather
+    # gathered, in the dtype the units compute in: memory.fsdp_param_dtype's, or the parameters' fp32
+    ratio = 1.0 if param_dtype is None else param_dtype.itemsize / 4
+    gathered = (root + max(layers, default=0) + max(buffers, default=0)) * ratio
     # forward's start: the root unit gathered, its all-gather's buffer not yet freed, and the first layer's gathering
-    starting = root + sum(padded.values()) - sum(buffers) + (layers[0] + buffers[0] if units else 0)
-    split = dict(est.by_category)
+    starting = (root + sum(padded.values()) - sum(buffers) + (layers[0] + buffers[0] if units else 0)) * ratio
+    # the single-process step's fp32 parameters, gradients and Adam's state (computed in param_dtype there)
+    split = {k: v / ratio if k in ("gradients", "optimizer") else v for k, v in est.by_category.items()}
+    split["parameters"] = split.get("parameters", 0) + params * (1 - ratio)  # (buffers: in fp32 there too)
+    optimizer = split.get("optimizer", 0)
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
-                            ("optimizer", split.get("optimizer", 0))):
+                            ("optimizer", optimizer)):
         split[category] = split.get(category, 0) - min(total, split.get(category, 0)) * (1 - 1 / world_size)
     split["gathered"] = gathered
     shard = params / world_size
     adam_temporary = shard if device == "cuda" else max(padded.values()) / world_size
     step = {"parameters": split["parameters"], "gathered": 0, "gradients": shard,
-            "optimizer": est.by_category.get("optimizer", 0) / world_size + adam_temporary,
-            "activations": 0, "logits": 0, "backward": 0}
+            "optimizer": optimizer / world_size + adam_temporary, "activations": 0, "logits": 0, "backward": 0}
     held = shard if est.shape.accum_steps > 1 else 0  # every gradient shard, from the micro-batches before
-    activations, backward = max(est.layer_windows[1:], key=sum, default=(0, 0))  # the largest layer's backward
-    layer = {**step, "gathered": gathered, "gradients": all_gather + (held or all_gather * 2 / world_size),
-             "optimizer": est.by_category.get("optimizer", 0) / world_size, "activations": activations,
-             "backward": backward}
-    end = {**layer, "gathered": root, "gradients": held or sum(layers) / world_size, "activations": 0,
-           "backward": root}
+    # each layer's backward but the first's, in the order backward reaches them (the decoder's, last to first,
+    # then the encoder's), with the reduce-scatter of the one before and the gradient shards of all before
+    order = list(reversed(range(len(units))))
+    layers_moments = [{**step, "gathered": (root + layers[order[j]] + buffers[order[j]]) * ratio,
+                       "optimizer": optimizer / world_size,
+                       "gradients": buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size),
+                       "activations": activations, "backward": backward}
+                      for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]
+    layer = max(layers_moments, key=lambda moment: sum(moment.values()), default=step)
+    end = {**step, "gathered": root * ratio, "gradients": held or sum(layers) / world_size,
+           "optimizer": optimizer / world_size, "backward": root * ratio}
+    # then the root resharded: its gradients copied into its reduce-scatter's fp32 input, and that reduce-scatter's
+    # output beside it, while the source embedding's gradient, the last that backward made, is still held
+    root_padded = sum(padded.values()) - sum(buffers)
+    copying = {**end, "gathered": 0, "gradients": end["gradients"] + root_padded}
+    reducing = {**copying, "gradients": copying["gradients"] + root_padded / world_size,
+                "backward": size[id(model.src_embed.tokens.weight)] * ratio}
     forward = {**end, "gathered": starting, "gradients": held, "backward": 0}
-    split = max((split, step, layer, end, forward), key=lambda moment: sum(moment.values()))
+    split = max((split, step, layer, end, copying, reducing, forward), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 
@@ -397,7 +442,7 @@ def real_step(args: ModelArgs, strategy: MemoryStrategy, shape: StepShape, devic
     model = Transformer(args).to(device)
     net = LossModule(model, args.pad_id, label_smoothing, strategy.loss_chunk)
     if strategy.fsdp:
-        fully_shard_net(net)
+        fully_shard_net(net, strategy.param_dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, weight_decay=weight_decay,
                                  **({"foreach": True} if foreach else {"fused": not strategy.fsdp}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt_schedule(4))
@@ -497,7 +542,8 @@ def cost_note(strategy: MemoryStrategy) -> str:
     if strategy.trim_vocab:
         notes.append("trim_vocab: pieces never seen in training cannot be read or written (they become <unk>)")
     if strategy.fsdp:
-        notes.append("fsdp: parameters gathered for each layer in forward and backward, gradients reduce-scattered")
+        notes.append("fsdp: parameters gathered for each layer in forward and backward, gradients reduce-scattered"
+                     + (" (gathered in bf16, each layer's input rounded to it)" if strategy.fsdp_param_dtype else ""))
     return "; ".join(notes) or "baseline"
 
 

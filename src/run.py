@@ -425,7 +425,7 @@ class TrainingRun:
         self.model = build_model(conf["model"], self.encoded).to(self.device)
         net = LossModule(self.model, self.tgt_codec.pad_id, optim["label_smoothing"], strategy.loss_chunk)
         if strategy.fsdp:
-            fully_shard_net(net)  # before the optimizer: it must hold the sharded parameters
+            fully_shard_net(net, strategy.param_dtype)  # before the optimizer: it must hold the sharded parameters
         self.optimizer, self.scheduler, self.peak_lr = build_optimizer(self.model, optim, self.device,
                                                                        fused=not strategy.fsdp)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, strategy, self.device, self.tgt_codec.pad_id,

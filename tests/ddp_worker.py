@@ -16,6 +16,7 @@ does.
 
 import os
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -134,6 +135,12 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     # forward (src/model.py's uncached_autocast): forward's end was the peak with 4 ranks
     peaks["fsdp_amp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True),
                                                 StepShape(1, 16, 16), cpu, world=world)
+    # memory.fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): the same step as the one above, and a large
+    # untied vocabulary's, whose root unit reduce-scatters in fp32 the gradients it computed in bf16
+    bf16 = MemoryStrategy(fsdp=True, amp="bf16", fsdp_param_dtype="bf16")
+    peaks["fsdp_bf16_checkpoint"] = measure_step(small, replace(bf16, checkpoint=True), StepShape(1, 16, 16), cpu,
+                                                 world=world)
+    peaks["fsdp_bf16_vocab"] = measure_step(vocab, bf16, StepShape(1, 4, 4), cpu, world=world)
     # accumulating: a later micro-batch's layer's backward, every gradient shard held already
     peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
                                        world=world)

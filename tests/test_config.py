@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf, open_dict
 
 from src.config_check import check_command_line, with_project_hydra
@@ -81,6 +82,12 @@ def test_label_follows_values_not_file_names():
     assert memory_strategy(OmegaConf.to_container(cfg.memory)).label == "none"
     cfg = compose_config("memory.amp=fp16", run_dir=Path("/tmp/x"))
     assert memory_strategy(OmegaConf.to_container(cfg.memory)).label == "amp"
+    # FSDP gathering in bf16 (FSDP2's MixedPrecisionPolicy) is a strategy of its own
+    cfg = compose_config("memory=[fsdp,amp]", "memory.fsdp_param_dtype=bf16", run_dir=Path("/tmp/x"))
+    strategy = memory_strategy(OmegaConf.to_container(cfg.memory))
+    assert strategy.label == "amp+fsdp(bf16)" and strategy.param_dtype == torch.bfloat16
+    cfg = compose_config("memory=[fsdp,amp]", run_dir=Path("/tmp/x"))
+    assert memory_strategy(OmegaConf.to_container(cfg.memory)).param_dtype is None
 
 
 @pytest.mark.parametrize(

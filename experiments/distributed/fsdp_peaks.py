@@ -3,10 +3,12 @@ against a large vocabulary (model=tiny's layers, 30,000-piece vocabularies, one 
 and for model=small (300-word vocabularies) with batches from 1 pair of 16 tokens to 16 pairs of 32, with and
 without checkpointed layers (memory=[fsdp,checkpoint]); each in one micro-batch, then accumulated over two
 (memory=[fsdp,accum] with memory.accum_steps=2: micro-batches of that size). With ``--amp bf16``, every case
-under bf16 autocast (memory=[fsdp,amp,...]).
+under bf16 autocast (memory=[fsdp,amp,...]); adding ``--param-dtype bf16``, FSDP gathers the parameters in bf16
+(memory.fsdp_param_dtype=bf16: FSDP2's MixedPrecisionPolicy).
 
     torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py   # and 4
     torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py --amp bf16
+    torchrun --nproc_per_node=2 experiments/distributed/fsdp_peaks.py --amp bf16 --param-dtype bf16
 
 Rank 0 prints the tracked peak and split (MiB), the estimate and split, and the estimate's error. The step is the
 one after Adam's state exists (``create_optimizer_state``), as ``src.planner.measure_step`` takes it.
@@ -34,7 +36,10 @@ def mib(split: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--amp", choices=["bf16"], default=None, help="autocast every case (memory=amp)")
-    amp = parser.parse_args().amp
+    parser.add_argument("--param-dtype", choices=["bf16"], default=None,
+                        help="with --amp bf16: FSDP gathers and computes in it (memory.fsdp_param_dtype)")
+    cli = parser.parse_args()
+    amp, param_dtype = cli.amp, cli.param_dtype
     world = world_from_env()
     with process_group(world, torch.device("cpu")):
         cases = []
@@ -43,9 +48,11 @@ def main() -> None:
             cases += [(f"{'tied' if tie else 'untied'} 30,000-piece vocabularies, 1 pair of 4 tokens"
                        + ", 2 micro-batches" * (accum > 1), StepShape(1, 4, 4, accum),
                        ModelArgs(src_vocab=30_000, tgt_vocab=30_000, pad_id=PAD, tie_embeddings=tie, **TINY),
-                       MemoryStrategy(fsdp=True, amp=amp, accum_steps=accum)) for tie in (False, True)]
+                       MemoryStrategy(fsdp=True, amp=amp, fsdp_param_dtype=param_dtype, accum_steps=accum))
+                      for tie in (False, True)]
             for checkpoint in (False, True):
-                strategy = MemoryStrategy(fsdp=True, amp=amp, checkpoint=checkpoint, accum_steps=accum)
+                strategy = MemoryStrategy(fsdp=True, amp=amp, fsdp_param_dtype=param_dtype, checkpoint=checkpoint,
+                                          accum_steps=accum)
                 cases += [(f"model=small, {pairs} x {tokens} tokens, {strategy.label}",
                            StepShape(pairs, tokens, tokens, accum), small, strategy)
                           for pairs, tokens in ((1, 16), (2, 16), (4, 16), (4, 32), (8, 32), (16, 32))]
