@@ -357,8 +357,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     in the single-process step: the activations still alive, its backward temporaries (a checkpointed layer's
     recomputed activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until
     2026-12-07 one moment took the largest window with two layers' shards; with bf16 parameters a checkpointed
-    step's peak is a later layer's, with more shards, 2.5% above it (4 ranks). With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is
-    with a medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and
+    step's peak is a later layer's, with more shards, 2.5% above it (4 ranks). With a small batch and 4 or more
+    ranks, which divide everything else, this moment is the peak; so it is with a medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and
     27.9% under with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens:
     4.4% and 12.7% under without the recomputation; experiments/distributed/fsdp_peaks.py).
 
@@ -399,6 +399,7 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     split = {k: v / ratio if k in ("gradients", "optimizer") else v for k, v in est.by_category.items()}
     split["parameters"] = split.get("parameters", 0) + params * (1 - ratio)  # (buffers: in fp32 there too)
     optimizer = split.get("optimizer", 0)
+    sharded_optimizer = optimizer / world_size
     for category, total in (("parameters", params), ("gradients", split.get("gradients", 0)),
                             ("optimizer", optimizer)):
         split[category] = split.get(category, 0) - min(total, split.get(category, 0)) * (1 - 1 / world_size)
@@ -406,19 +407,18 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     shard = params / world_size
     adam_temporary = shard if device == "cuda" else max(padded.values()) / world_size
     step = {"parameters": split["parameters"], "gathered": 0, "gradients": shard,
-            "optimizer": optimizer / world_size + adam_temporary, "activations": 0, "logits": 0, "backward": 0}
+            "optimizer": sharded_optimizer + adam_temporary, "activations": 0, "logits": 0, "backward": 0}
     held = shard if est.shape.accum_steps > 1 else 0  # every gradient shard, from the micro-batches before
     # each layer's backward but the first's, in the order backward reaches them (the decoder's, last to first,
     # then the encoder's), with the reduce-scatter of the one before and the gradient shards of all before
     order = list(reversed(range(len(units))))
-    layers_moments = [{**step, "gathered": (root + layers[order[j]] + buffers[order[j]]) * ratio,
-                       "optimizer": optimizer / world_size,
-                       "gradients": buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size),
-                       "activations": activations, "backward": backward}
-                      for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]
-    layer = max(layers_moments, key=lambda moment: sum(moment.values()), default=step)
+    layer_moments = [{**step, "gathered": (root + layers[order[j]] + buffers[order[j]]) * ratio,
+                      "optimizer": sharded_optimizer,
+                      "gradients": buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size),
+                      "activations": activations, "backward": backward}
+                     for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]
     end = {**step, "gathered": root * ratio, "gradients": held or sum(layers) / world_size,
-           "optimizer": optimizer / world_size, "backward": root * ratio}
+           "optimizer": sharded_optimizer, "backward": root * ratio}
     # then the root resharded: its gradients copied into its reduce-scatter's fp32 input, and that reduce-scatter's
     # output beside it, while the source embedding's gradient, the last that backward made, is still held
     root_padded = sum(padded.values()) - sum(buffers)
@@ -426,7 +426,7 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     reducing = {**copying, "gradients": copying["gradients"] + root_padded / world_size,
                 "backward": size[id(model.src_embed.tokens.weight)] * ratio}
     forward = {**end, "gathered": starting, "gradients": held, "backward": 0}
-    split = max((split, step, layer, end, copying, reducing, forward), key=lambda moment: sum(moment.values()))
+    split = max((split, step, *layer_moments, end, copying, reducing, forward), key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 
