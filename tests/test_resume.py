@@ -210,6 +210,7 @@ def test_a_run_resumed_with_accumulation_and_another_learning_rate_trains_with_t
     assert not any(key.startswith(("paths.", "trainer.resume")) for key in first["changed"])
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_another_warmup_trains_at_its_rate_from_the_first_step(fast_cfg, tmp_path, shared_cache,
                                                                                  caplog):
     """The peak learning rate unchanged, only the schedule's warmup: the first resumed step already runs at the
