@@ -104,51 +104,60 @@ def peak_models() -> tuple:
             ModelArgs(src_vocab=300, tgt_vocab=300, pad_id=PAD, **SMALL))
 
 
-def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
-    """The planner's and the ledger's checks (on 2 or 4 ranks), under memory=fsdp and under DDP: each rank's tracked
-    peak of a real training step (the validation case's model and batch), against what src/planner.py estimates
-    for one rank, and the split of three steps. Without ``ledger`` (fsdp-plan, the 4-rank test) only the FSDP
-    peaks that the planner is checked against: not DDP's, the split of three steps, nor Adam with weight decay,
-    which the 2-rank tests read (seconds of a 4-rank launch on 2 cores)."""
-    from src.memory import tracked_step
-    from src.planner import StepShape, measure_step, real_step
+def peak_cases(ledger: bool = True) -> dict[str, tuple]:
+    """``fsdp_peak``'s steps, each measured on every rank and planned by tests/test_distributed.py for one: name ->
+    (model args, strategy, shape, ``measure_step``'s keywords). Without ``ledger`` (the 4-rank test) not DDP's step
+    nor Adam with weight decay, which only the 2-rank tests read (seconds of a 4-rank launch on 2 cores)."""
+    from src.planner import StepShape
 
     args, vocab, small = peak_models()
-    cpu = torch.device("cpu")
-    peaks = {name: measure_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
-             for name, fsdp in (("fsdp", True), ("ddp", False)) if fsdp or ledger}
-    # a batch small against a large untied vocabulary, whose peak is the end of backward
-    peaks["fsdp_vocab"] = measure_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world)
-    # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
-    peaks["fsdp_vocab_accum"] = measure_step(vocab, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 4, 4, 2),
-                                             cpu, world=world)
-    # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
-    for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)) if ledger else ():
-        trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), StepShape(16, 21, 19), cpu, world=world)
-        peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
-    # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one with
-    # checkpointed layers, whose peak is a layer's backward with its recomputed activations
-    peaks["fsdp_medium"] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32), cpu, world=world)
-    peaks["fsdp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32),
-                                            cpu, world=world)
-    # bf16 autocast over checkpointed layers, whose casts of the gathered weights autocast's cache kept through
-    # forward (src/model.py's uncached_autocast): forward's end was the peak with 4 ranks
-    peaks["fsdp_amp_checkpoint"] = measure_step(small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True),
-                                                StepShape(1, 16, 16), cpu, world=world)
-    # memory.fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): the same step as the one above, and a large
-    # untied vocabulary's, whose root unit reduce-scatters in fp32 the gradients it computed in bf16
+    fsdp, accum = MemoryStrategy(fsdp=True), MemoryStrategy(fsdp=True, accum_steps=2)
     bf16 = MemoryStrategy(fsdp=True, amp="bf16", fsdp_param_dtype="bf16")
-    peaks["fsdp_bf16_checkpoint"] = measure_step(small, replace(bf16, checkpoint=True), StepShape(1, 16, 16), cpu,
-                                                 world=world)
-    peaks["fsdp_bf16_vocab"] = measure_step(vocab, bf16, StepShape(1, 4, 4), cpu, world=world)
-    # accumulating: a later micro-batch's layer's backward, every gradient shard held already
-    peaks["fsdp_accum"] = measure_step(small, MemoryStrategy(fsdp=True, accum_steps=2), StepShape(1, 16, 16, 2), cpu,
-                                       world=world)
-    # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as FSDP
-    # takes it on CUDA (foreach); with weight decay, Adam's grad + wd * param
-    for name, decay in (("fsdp_step", 0.0), ("fsdp_step_decay", 0.01)) if ledger else (("fsdp_step", 0.0),):
-        peaks[name] = measure_step(small, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), cpu, world=world,
-                                   foreach=True, weight_decay=decay)
+    cases = {
+        # the validation case's model and batch, under memory=fsdp and under DDP
+        "fsdp": (args, fsdp, StepShape(16, 21, 19), {}),
+        "ddp": (args, MemoryStrategy(), StepShape(16, 21, 19), {}),
+        # a batch small against a large untied vocabulary, whose peak is the end of backward
+        "fsdp_vocab": (vocab, fsdp, StepShape(1, 4, 4), {}),
+        # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
+        "fsdp_vocab_accum": (vocab, accum, StepShape(1, 4, 4, 2), {}),
+        # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one
+        # with checkpointed layers, whose peak is a layer's backward with its recomputed activations
+        "fsdp_medium": (small, fsdp, StepShape(4, 32, 32), {}),
+        "fsdp_checkpoint": (small, replace(fsdp, checkpoint=True), StepShape(16, 32, 32), {}),
+        # bf16 autocast over checkpointed layers, whose casts of the gathered weights autocast's cache kept through
+        # forward (src/model.py's uncached_autocast): forward's end was the peak with 4 ranks
+        "fsdp_amp_checkpoint": (small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True), StepShape(1, 16, 16),
+                                {}),
+        # memory.fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): the same step as the one above, and a large
+        # untied vocabulary's, whose root unit reduce-scatters in fp32 the gradients it computed in bf16
+        "fsdp_bf16_checkpoint": (small, replace(bf16, checkpoint=True), StepShape(1, 16, 16), {}),
+        "fsdp_bf16_vocab": (vocab, bf16, StepShape(1, 4, 4), {}),
+        # accumulating: a later micro-batch's layer's backward, every gradient shard held already
+        "fsdp_accum": (small, accum, StepShape(1, 16, 16, 2), {}),
+        # a model large against its batch, whose peak is Adam's step with 2 ranks (a layer's backward with 4), as
+        # FSDP takes it on CUDA (foreach); with weight decay, Adam's grad + wd * param
+        "fsdp_step": (small, fsdp, StepShape(1, 4, 4), {"foreach": True}),
+        "fsdp_step_decay": (small, fsdp, StepShape(1, 4, 4), {"foreach": True, "weight_decay": 0.01}),
+    }
+    return cases if ledger else {name: case for name, case in cases.items() if name not in ("ddp", "fsdp_step_decay")}
+
+
+def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
+    """The planner's and the ledger's checks (on 2 or 4 ranks): each rank's tracked peak of every one of
+    ``peak_cases``' real training steps, against what src/planner.py estimates for one rank, and with ``ledger``
+    (the 2-rank tests) the split of three steps under memory=fsdp and under DDP."""
+    from src.memory import tracked_step
+    from src.planner import measure_step, real_step
+
+    cpu, cases = torch.device("cpu"), peak_cases(ledger)
+    peaks = {name: measure_step(args, strategy, shape, cpu, world=world, **keywords)
+             for name, (args, strategy, shape, keywords) in cases.items()}
+    # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
+    args, _, shape, _ = cases["fsdp"]
+    for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)) if ledger else ():
+        trainer, micro = real_step(args, MemoryStrategy(fsdp=fsdp), shape, cpu, world=world)
+        peaks[name] = [dict(tracked_step(trainer, micro).peak_by_category) for _ in range(3)]
     torch.save(peaks, out / f"fsdp_peak{world.rank}.pt")
 
 

@@ -26,7 +26,7 @@ from src.errors import ConfigError
 from src.memory import MemoryStrategy, memory_strategy
 
 from .conftest import FAST, compose_config
-from .ddp_worker import ORDER, peak_models
+from .ddp_worker import ORDER, peak_cases, peak_models
 from .helpers import BOS, EOS, PAD, ROOT, make_split, model_and_trainer, read_jsonl
 
 TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
@@ -482,15 +482,12 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     the estimate was 3.6% under: it left out the all-gather's buffer, live beside the layer gathered in backward;
     and where Adam's step is the peak (a model large against its batch), with the foreach implementation that
     sharded parameters take on CUDA, 12% under: it left out its square roots of every shard's exp_avg_sq."""
-    from src.planner import StepShape, estimate_step, shard_estimate
+    from src.planner import estimate_step
 
     measured = [torch.load(worker_cases / f"fsdp_peak{r}.pt", weights_only=True) for r in (0, 1)]
-    args, vocab, small = peak_models()
-    shape = StepShape(16, 21, 19)
-    sharded = estimate_step(args, MemoryStrategy(fsdp=True), shape, world_size=2)
-    whole = estimate_step(args, MemoryStrategy(), shape)
-    ddp = estimate_step(args, MemoryStrategy(), shape, world_size=2)
-    end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=2)
+    args, whole_step, shape, _ = peak_cases()["ddp"]
+    sharded, ddp, end = planned("fsdp", 2), planned("ddp", 2), planned("fsdp_vocab", 2)
+    whole = estimate_step(args, whole_step, shape)
     assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
     for peaks in measured:
         assert -0.01 < (sharded.peak_bytes - peaks["fsdp"]["peak"]) / peaks["fsdp"]["peak"] < 0.02
@@ -502,9 +499,8 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
         assert ddp.peak_bytes == pytest.approx(peaks["ddp"]["peak"], rel=0.01)
     assert sharded.by_category["optimizer"] == pytest.approx(whole.by_category["optimizer"] / 2, rel=0.01)
     assert sharded.peak_bytes < whole.peak_bytes
-    # the optimizer step's moment, as on CUDA (the CPU's trace: CUDA's attention keeps less, which this batch of
-    # 4 tokens hardly has), against the foreach step measured on the CPU
-    step = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 2, device="cuda")
+    # the optimizer step's moment, as on CUDA, against the foreach step measured on the CPU
+    step = adam_step_planned(2)
     assert step.by_category["gathered"] == step.by_category["backward"] == 0  # the step's moment: nothing gathered
     # The plan leaves optim.weight_decay out. Adam with it adds the decay into a new copy of every gradient shard,
     # but frees that copy before it takes the square roots, which are as large: the same peak (measured).
@@ -512,6 +508,24 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
     assert_layer_and_accumulated_moments_planned(2, measured)
+
+
+def planned(name: str, ranks: int):
+    """The planner's estimate for one of ``ranks`` ranks of the worker's step ``name`` (``peak_cases``)."""
+    from src.planner import estimate_step
+
+    args, strategy, shape, _ = peak_cases()[name]
+    return estimate_step(args, strategy, shape, world_size=ranks)
+
+
+def adam_step_planned(ranks: int):
+    """The planner's estimate for one of ``ranks`` ranks of the worker's ``fsdp_step`` as it is taken on CUDA (foreach,
+    as the worker measures it on the CPU; CUDA's attention keeps less, which this batch of 4 tokens hardly has)."""
+    from src.planner import estimate_step, shard_estimate
+
+    args, strategy, shape, _ = peak_cases()["fsdp_step"]
+    whole = estimate_step(args, dataclasses.replace(strategy, fsdp=False), shape)
+    return shard_estimate(whole, args, ranks, device="cuda")
 
 
 def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict]) -> None:
@@ -529,20 +543,11 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
     bf16 autocast over checkpointed layers, 1 pair of 16 tokens: until 2026-12-07 autocast's cache kept every
     layer's bf16 cast of its gathered weights until forward ended, where the peak was then (no rank divides them),
     the plan 11.6% under it with 4 ranks; now a layer's backward, 0.0% (src/model.py's ``uncached_autocast``)."""
-    from src.planner import StepShape, estimate_step
-
-    _, vocab, small = peak_models()
-    accum = MemoryStrategy(fsdp=True, accum_steps=2)
-    for name, args, strategy, shape in (
-            ("fsdp_medium", small, MemoryStrategy(fsdp=True), StepShape(4, 32, 32)),
-            ("fsdp_checkpoint", small, MemoryStrategy(fsdp=True, checkpoint=True), StepShape(16, 32, 32)),
-            ("fsdp_amp_checkpoint", small, MemoryStrategy(fsdp=True, amp="bf16", checkpoint=True),
-             StepShape(1, 16, 16)),
-            ("fsdp_accum", small, accum, StepShape(1, 16, 16, 2)),
-            ("fsdp_vocab_accum", vocab, accum, StepShape(1, 4, 4, 2))):
-        est = estimate_step(args, strategy, shape, world_size=ranks)
+    for name in ("fsdp_medium", "fsdp_checkpoint", "fsdp_amp_checkpoint", "fsdp_accum", "fsdp_vocab_accum"):
+        est = planned(name, ranks)
         # a layer's backward (with activations), or forward's start (vocab_accum): not the single-process peak
-        assert est.by_category["gathered"] > 0 and (est.by_category["activations"] > 0) == (args is small), name
+        with_activations = name != "fsdp_vocab_accum"
+        assert est.by_category["gathered"] > 0 and (est.by_category["activations"] > 0) == with_activations, name
         for peaks in measured:
             # (the buffer freed off the main thread moves a peak by up to a layer's worth in some runs)
             assert -0.03 < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.04, name
@@ -557,15 +562,9 @@ def assert_bf16_parameters_planned(ranks: int, measured: list[dict]) -> None:
     vocabulary's end of backward: the root's bf16 gradients copied into the fp32 input of its reduce-scatter (the
     peak with 4 ranks), then that reduce-scatter's output beside it (with 2), while the source embedding's gradient,
     the last that backward made, is still held: 9.5% and 18% below fp32."""
-    from src.planner import StepShape, estimate_step
-
-    _, vocab, small = peak_models()
-    bf16 = MemoryStrategy(fsdp=True, amp="bf16", fsdp_param_dtype="bf16")
-    for name, args, strategy, shape, below, error in (
-            ("fsdp_bf16_checkpoint", small, dataclasses.replace(bf16, checkpoint=True), StepShape(1, 16, 16),
-             "fsdp_amp_checkpoint", (-0.03, 0.03)),
-            ("fsdp_bf16_vocab", vocab, bf16, StepShape(1, 4, 4), "fsdp_vocab", (-0.01, 0.01))):
-        est = estimate_step(args, strategy, shape, world_size=ranks)
+    for name, below, error in (("fsdp_bf16_checkpoint", "fsdp_amp_checkpoint", (-0.03, 0.03)),
+                               ("fsdp_bf16_vocab", "fsdp_vocab", (-0.01, 0.01))):
+        est = planned(name, ranks)
         for peaks in measured:
             assert peaks[name]["peak"] < 0.95 * peaks[below]["peak"], name
             assert error[0] < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < error[1], name
@@ -612,15 +611,10 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     once (its peak is in the backward of the layer after, part of that layer's gradient made).
     model=tiny's batch of 16 pairs peaks at the start of backward, as with 2 ranks; model=small's 4 pairs of 32
     tokens in a layer's backward, with its activations, and accumulated steps (``assert_layer_and_accumulated_moments_planned``)."""
-    from src.planner import StepShape, estimate_step, shard_estimate
-
     proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-plan", nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tiny, vocab, small = peak_models()
-    batch = estimate_step(tiny, MemoryStrategy(fsdp=True), StepShape(16, 21, 19), world_size=4).peak_bytes
-    layer = shard_estimate(estimate_step(small, MemoryStrategy(), StepShape(1, 4, 4)), small, 4, device="cuda")
+    batch, end, layer = planned("fsdp", 4).peak_bytes, planned("fsdp_vocab", 4).peak_bytes, adam_step_planned(4)
     assert layer.by_category["backward"] > 0  # the moment of a layer's backward
-    end = estimate_step(vocab, MemoryStrategy(fsdp=True), StepShape(1, 4, 4), world_size=4).peak_bytes
     ranks = [torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True) for rank in range(4)]
     for measured in ranks:
         # the buffer freed off the main thread moves this peak by up to a layer's worth (0.9% of it) in some runs
