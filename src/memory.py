@@ -551,17 +551,34 @@ class LayerWindows(TensorMemoryTracker):
     its highest moment of what was made since it began, as (activations and logits alive then, backward
     temporaries and parameter gradients made since it began). That is what a layer's backward adds under
     memory=fsdp, whose other parts (gathered parameters, gradient shards) the planner knows: a checkpointed
-    layer's recomputed activations are in its window; the embeddings' gradients, made after, are not."""
+    layer's recomputed activations are in its window; the embeddings' gradients, made after, are not.
+
+    ``gaps`` gets each stretch of backward between a layer's window and the next that does not follow at once (the
+    target embedding's backward, between the decoder's first layer and the encoder's last), as (the index of the
+    window after it; at its highest, the activations and logits alive, and the backward temporaries and all the
+    parameter gradients made since the step began): the embeddings' gradients grow there, the encoder's
+    activations still alive."""
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__(device_type)
         self.windows: list[tuple[int, int]] = []
+        self.gaps: list[tuple[int, int, int]] = []
         self._since: dict | None = None  # the open window: its layer, the gradients then, its highest, its split
+        self._gap: dict | None = None  # the open gap: its highest, its split
+        self._gradients_before = 0
+
+    def __enter__(self):
+        self._gradients_before = self.live_by_category.get("gradients", 0)
+        return super().__enter__()
 
     def open(self, layer: int) -> None:
-        """A layer's backward begins, as the one still open ends: that one's input is this one's output."""
+        """A layer's backward begins, as the one still open ends (that one's input is this one's output), or as
+        the gap since the last one closed ends."""
         if self._since is not None:
-            self.close(self._since["layer"])
+            self.windows.append(self._since["split"])
+        elif self._gap is not None:
+            self.gaps.append((len(self.windows), *self._gap["split"]))
+        self._gap = None
         c = self.live_by_category
         self._since = {"layer": layer, "gradients": c["gradients"], "high": self.live,
                        "split": (c["activations"] + c["logits"], c["backward"])}
@@ -570,14 +587,22 @@ class LayerWindows(TensorMemoryTracker):
         if self._since is not None and self._since["layer"] == layer:
             self.windows.append(self._since["split"])
             self._since = None
+            self._gap = {"high": -1}
+            self._raise(self._gap, self._gradients_before)
+
+    def _raise(self, stretch: dict, gradients_before: int) -> None:
+        """``stretch``'s highest moment and split, if this one is higher."""
+        if self.live > stretch["high"]:
+            c = self.live_by_category
+            stretch["high"] = self.live
+            stretch["split"] = (c["activations"] + c["logits"], c["backward"] + c["gradients"] - gradients_before)
 
     def _grow(self, nbytes: int, category: str, into: tuple[int, ...] = ()) -> None:
         super()._grow(nbytes, category, into)
-        since = self._since
-        if since is not None and not into and self.live > since["high"]:
-            c = self.live_by_category
-            since["high"] = self.live
-            since["split"] = (c["activations"] + c["logits"], c["backward"] + c["gradients"] - since["gradients"])
+        if not into and self._since is not None:
+            self._raise(self._since, self._since["gradients"])
+        elif not into and self._gap is not None:
+            self._raise(self._gap, self._gradients_before)
 
 
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",

@@ -138,6 +138,10 @@ class Estimate:
     # backward reaches them (the first micro-batch's): (activations and logits alive, backward temporaries and
     # parameter gradients made): ``memory.LayerWindows``
     layer_windows: tuple[tuple[int, int], ...] = ()
+    # And each stretch of backward between two of them (the target embedding's, between the decoder's layers and the
+    # encoder's): (the index of the layer window after it, activations and logits alive at its highest, backward
+    # temporaries and parameter gradients made by then): ``memory.LayerWindows.gaps``
+    layer_gaps: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def compute(self) -> float:
@@ -291,6 +295,7 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         flops=counter.total * shape.accum_steps // len(micro),
         model_flops=args.training_flops(shape.pairs, shape.src_len, shape.tgt_len) * shape.accum_steps,
         layer_windows=tuple(windows),
+        layer_gaps=tuple(tracker.gaps),
     )
 
 
@@ -358,9 +363,17 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     recomputed activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until
     2026-12-07 one moment took the largest window with two layers' shards; with bf16 parameters a checkpointed
     step's peak is a later layer's, with more shards, 2.5% above it (4 ranks). With a small batch and 4 or more
-    ranks, which divide everything else, this moment is the peak; so it is with a medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and
-    27.9% under with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens:
-    4.4% and 12.7% under without the recomputation; experiments/distributed/fsdp_peaks.py).
+    ranks, which divide everything else, this moment is the peak; so it is with a medium one, whose
+    single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under with 2 and 4
+    ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and 12.7% under
+    without the recomputation; experiments/distributed/fsdp_peaks.py).
+
+    Between the decoder's layers and the encoder's, in the target embedding's backward: the root unit gathered,
+    the encoder's last layer gathered ahead of its backward (its all-gather's buffer freed), the decoder's
+    gradients reduce-scattered as in the layer moment after it, the encoder's activations still alive, and the
+    root's unsharded gradients made by then with the embedding's backward temporaries (``Estimate.layer_gaps``).
+    With a target vocabulary tied to the output projection, whose gradient the embedding's adds into, under bf16
+    autocast, this moment is the peak: 1.6% to 1.8% under on 2 to 8 ranks without it (fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
     reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
@@ -412,11 +425,21 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     # each layer's backward but the first's, in the order backward reaches them (the decoder's, last to first,
     # then the encoder's), with the reduce-scatter of the one before and the gradient shards of all before
     order = list(reversed(range(len(units))))
+
+    def behind(j: int) -> float:  # the gradients of the layers backward reached before the j-th: reduce-scattered
+        return buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size)
+
     layer_moments = [{**step, "gathered": (root + layers[order[j]] + buffers[order[j]]) * ratio,
-                      "optimizer": sharded_optimizer,
-                      "gradients": buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size),
-                      "activations": activations, "backward": backward}
+                      "optimizer": sharded_optimizer, "gradients": behind(j), "activations": activations,
+                      "backward": backward}
                      for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]
+    # between the decoder's layers and the encoder's, the target embedding's backward: the root's gradients made by
+    # then (the output projection's, and with tied embeddings the embedding's added into it), the encoder's last
+    # layer gathered ahead (its all-gather's buffer freed) and its activations alive
+    gap_moments = [{**step, "gathered": (root + layers[order[j]]) * ratio, "optimizer": sharded_optimizer,
+                    "gradients": behind(j), "activations": activations,
+                    "backward": made - sum(layers[i] for i in order[:j]) * ratio}
+                   for j, activations, made in est.layer_gaps if 0 < j < len(order)]
     end = {**step, "gathered": root * ratio, "gradients": held or sum(layers) / world_size,
            "optimizer": sharded_optimizer, "backward": root * ratio}
     # then the root resharded: its gradients copied into its reduce-scatter's fp32 input, and that reduce-scatter's
@@ -426,7 +449,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     reducing = {**copying, "gradients": copying["gradients"] + root_padded / world_size,
                 "backward": size[id(model.src_embed.tokens.weight)] * ratio}
     forward = {**end, "gathered": starting, "gradients": held, "backward": 0}
-    split = max((split, step, *layer_moments, end, copying, reducing, forward), key=lambda moment: sum(moment.values()))
+    split = max((split, step, *layer_moments, *gap_moments, end, copying, reducing, forward),
+                key=lambda moment: sum(moment.values()))
     by_category = {k: int(v) for k, v in split.items()}
     return dataclasses.replace(est, peak_bytes=sum(by_category.values()), by_category=by_category)  # the split sums
 

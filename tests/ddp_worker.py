@@ -121,6 +121,9 @@ def peak_cases(ledger: bool = True) -> dict[str, tuple]:
         "fsdp_vocab": (vocab, fsdp, StepShape(1, 4, 4), {}),
         # accumulating, whose later micro-batch's peak is its forward's start: every gradient shard held already
         "fsdp_vocab_accum": (vocab, accum, StepShape(1, 4, 4, 2), {}),
+        # the target vocabulary tied to the output projection, under bf16 autocast: the peak is the target
+        # embedding's backward, between the decoder's layers and the encoder's, its gradient added into theirs
+        "fsdp_tied_amp": (replace(vocab, tie_embeddings=True), replace(fsdp, amp="bf16"), StepShape(1, 4, 4), {}),
         # a medium batch, whose peak is a layer's backward with the activations still alive then, and a larger one
         # with checkpointed layers, whose peak is a layer's backward with its recomputed activations
         "fsdp_medium": (small, fsdp, StepShape(4, 32, 32), {}),
