@@ -345,8 +345,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     In backward, at the single-process estimate's peak: parameters (not buffers), gradients and Adam's state are
     divided by the ranks. Added, as ``gathered``: the root unit's gathered parameters (embeddings, output
     projection, final norms), which stay gathered from forward to backward, and one layer's, gathered again in
-    backward with its unsharded gradient before the reduce-scatter, beside the all-gather's own buffer that it is
-    copied out of (its parameters padded to a multiple of the ranks).
+    backward with its unsharded gradient before the reduce-scatter, beside the buffer of the next layer's
+    all-gather, prefetched (its parameters padded to a multiple of the ranks): here the largest layer's, each.
 
     In the optimizer step: every gradient and Adam's state, sharded, and what Adam's step over sharded parameters
     (DTensors, which take no fused kernel) allocates: on CUDA the foreach implementation's square root of every
@@ -356,13 +356,15 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     are taken.
 
     In each layer's backward (from the second backward reaches: the first has no reduce-scatter before it): the
-    root unit and that layer gathered, with the all-gather's buffer, the reduce-scatter of the layer before it (its
-    input, a copy of that layer's gradient kept until the next one starts), the gradient shards of all the layers
-    before it, 1/N each, the sharded parameters and Adam's state, and what the layer's backward holds at its highest
-    in the single-process step: the activations still alive, its backward temporaries (a checkpointed layer's
-    recomputed activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until
-    2026-12-07 one moment took the largest window with two layers' shards; with bf16 parameters a checkpointed
-    step's peak is a later layer's, with more shards, 2.5% above it (4 ranks). With a small batch and 4 or more
+    root unit and that layer gathered, with the buffer of the next layer's all-gather, which FSDP prefetches as this
+    one's backward begins (none after the last), the reduce-scatter of the layer before it (its input, a copy of
+    that layer's gradient kept until the next one starts), the gradient shards of all the layers before it, 1/N
+    each, the sharded parameters and Adam's state, and what the layer's backward holds at its highest in the
+    single-process step: the activations still alive, its backward temporaries (a checkpointed layer's recomputed
+    activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment
+    took the largest window with two layers' shards; with bf16 parameters a checkpointed step's peak is a later
+    layer's, with more shards, 2.5% above it (4 ranks). Until that afternoon each layer's moment held a buffer of
+    its own size: the decoder's first layer, reached before the encoder's smaller last one, was up to 2.3% over. With a small batch and 4 or more
     ranks, which divide everything else, this moment is the peak; so it is with a medium one, whose
     single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under with 2 and 4
     ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and 12.7% under
@@ -423,13 +425,15 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
             "optimizer": sharded_optimizer + adam_temporary, "activations": 0, "logits": 0, "backward": 0}
     held = shard if est.shape.accum_steps > 1 else 0  # every gradient shard, from the micro-batches before
     # each layer's backward but the first's, in the order backward reaches them (the decoder's, last to first,
-    # then the encoder's), with the reduce-scatter of the one before and the gradient shards of all before
+    # then the encoder's): the layer gathered, the next one's all-gather buffer (prefetched; none after the last),
+    # the reduce-scatter of the one before and the gradient shards of all before
     order = list(reversed(range(len(units))))
+    prefetched = [buffers[i] for i in order[1:]] + [0]
 
     def behind(j: int) -> float:  # the gradients of the layers backward reached before the j-th: reduce-scattered
         return buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size)
 
-    layer_moments = [{**step, "gathered": (root + layers[order[j]] + buffers[order[j]]) * ratio,
+    layer_moments = [{**step, "gathered": (root + layers[order[j]] + prefetched[j]) * ratio,
                       "optimizer": sharded_optimizer, "gradients": behind(j), "activations": activations,
                       "backward": backward}
                      for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]

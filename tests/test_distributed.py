@@ -532,8 +532,8 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
     """model=small's 4 pairs of 32 tokens: the step's own peak is Adam's step, its activations already freed,
     while each rank's is a layer's backward with the activations still alive then; and 16 pairs with checkpointed
     layers, each rank's peak a layer's backward with its recomputed activations. Until 2026-12-07 that moment held
-    neither, and the estimates were 13.6% and 4.4% under with 2 ranks, 27.9% and 12.7% with 4; now 2.5% and 0.0%
-    over, 1.7% and 0.8%.
+    neither, and the estimates were 13.6% and 4.4% under with 2 ranks, 27.9% and 12.7% with 4; now 0.0% (within
+    0.03%), with each layer's moment holding the next layer's all-gather buffer, prefetched.
 
     Accumulating over 2 micro-batches of 1 pair of 16 tokens, the peak is a layer's backward in the second, with
     every gradient shard of the first held; and with a large untied vocabulary, the second's forward as it begins,
@@ -549,8 +549,8 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
         with_activations = name != "fsdp_vocab_accum"
         assert est.by_category["gathered"] > 0 and (est.by_category["activations"] > 0) == with_activations, name
         for peaks in measured:
-            # (the buffer freed off the main thread moves a peak by up to a layer's worth in some runs)
-            assert -0.03 < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.04, name
+            # (the buffer freed off the main thread moves a peak up by a layer's worth in some runs)
+            assert -0.03 < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.01, name
     # a tied vocabulary under bf16 autocast: the target embedding's backward, its gradient added into the output
     # projection's, the encoder's last layer gathered ahead and its activations alive (the plan had no such moment
     # until 2026-12-07, and was 1.6% under with 2 ranks, 1.8% with 4 and 8: experiments/distributed/fsdp_peaks.py)
@@ -569,7 +569,7 @@ def assert_bf16_parameters_planned(ranks: int, measured: list[dict]) -> None:
     vocabulary's end of backward: the root's bf16 gradients copied into the fp32 input of its reduce-scatter (the
     peak with 4 ranks), then that reduce-scatter's output beside it (with 2), while the source embedding's gradient,
     the last that backward made, is still held: 9.5% and 18% below fp32."""
-    for name, below, error in (("fsdp_bf16_checkpoint", "fsdp_amp_checkpoint", (-0.03, 0.03)),
+    for name, below, error in (("fsdp_bf16_checkpoint", "fsdp_amp_checkpoint", (-0.03, 0.01)),
                                ("fsdp_bf16_vocab", "fsdp_vocab", (-0.01, 0.01))):
         est = planned(name, ranks)
         for peaks in measured:
@@ -614,8 +614,8 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     1.6% under (2.3% with 8) without the activations alive at that moment, then 0.2% over (0.2-0.3% with 8), and
     2.1% over since every layer's backward is a moment of its own, with the gradient shards of all the layers
     before it (the peak of bf16 parameters under FSDP, a later layer's, was 2.5% under without it): the moment of
-    the decoder's first layer, with its whole unsharded gradient and three shards, which this step never holds at
-    once (its peak is in the backward of the layer after, part of that layer's gradient made).
+    the decoder's first layer held a decoder layer's all-gather buffer beside it, where FSDP holds the next
+    layer's, prefetched, the encoder's last, smaller. Since then 0.0%, each category of the split as measured.
     model=tiny's batch of 16 pairs peaks at the start of backward, as with 2 ranks; model=small's 4 pairs of 32
     tokens in a layer's backward, with its activations, and accumulated steps (``assert_layer_and_accumulated_moments_planned``)."""
     proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-plan", nproc=4)
@@ -627,7 +627,7 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
         # the buffer freed off the main thread moves this peak by up to a layer's worth (0.9% of it) in some runs
         assert -0.015 < (batch - measured["fsdp"]["peak"]) / measured["fsdp"]["peak"] < 0.02
         assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
-        assert -0.02 < (layer.peak_bytes - measured["fsdp_step"]["peak"]) / measured["fsdp_step"]["peak"] < 0.025
+        assert -0.02 < (layer.peak_bytes - measured["fsdp_step"]["peak"]) / measured["fsdp_step"]["peak"] < 0.01
     assert_layer_and_accumulated_moments_planned(4, ranks)
 
 
