@@ -363,12 +363,12 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     single-process step: the activations still alive, its backward temporaries (a checkpointed layer's recomputed
     activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment
     took the largest window with two layers' shards; with bf16 parameters a checkpointed step's peak is a later
-    layer's, with more shards, 2.5% above it (4 ranks). Until that afternoon each layer's moment held a buffer of
-    its own size: the decoder's first layer, reached before the encoder's smaller last one, was up to 2.3% over. With a small batch and 4 or more
-    ranks, which divide everything else, this moment is the peak; so it is with a medium one, whose
-    single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under with 2 and 4
-    ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and 12.7% under
-    without the recomputation; experiments/distributed/fsdp_peaks.py).
+    layer's, with more shards, 2.5% above it (4 ranks). Until later that day each layer's moment held a buffer of
+    its own size: the decoder's first layer, reached before the encoder's smaller last one, was up to 2.3% over.
+    With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is with a
+    medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under
+    with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and
+    12.7% under without the recomputation; experiments/distributed/fsdp_peaks.py).
 
     Between the decoder's layers and the encoder's, in the target embedding's backward: the root unit gathered,
     the encoder's last layer gathered ahead of its backward (its all-gather's buffer freed), the decoder's
@@ -378,12 +378,13 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     autocast, this moment is the peak: 1.6% to 1.8% under on 2 to 8 ranks without it (fsdp_peaks.py).
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
-    reduce-scatters last, beside the layers' gradient shards, the sharded parameters and Adam's state. With a large
-    untied vocabulary and a small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py). Then the
-    root resharded: its unsharded gradients copied into its reduce-scatter's fp32 input (with bf16 parameters, the
-    larger moment: the peak with 4 ranks), and that reduce-scatter's output beside the input while the source
-    embedding's gradient, the last that backward makes, is still held (the peak with 2 ranks); with bf16
-    parameters, a large vocabulary's estimate was up to 20.3% under without them.
+    reduce-scatters last, beside the layers' gradient shards and the last layer's reduce-scatter input (0.5% under
+    without it, until 2026-12-07), the sharded parameters and Adam's state. With a large untied vocabulary and a
+    small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py). Then the root resharded: its
+    unsharded gradients copied into its reduce-scatter's fp32 input (with bf16 parameters, the larger moment: the
+    peak with 4 ranks), and that reduce-scatter's output beside the input while the source embedding's gradient,
+    the last that backward makes, is still held (the peak with 2 ranks); with bf16 parameters, a large
+    vocabulary's estimate was up to 20.3% under without them.
 
     As forward begins: the root unit's parameters gathered, its all-gather's buffer not yet freed as the first
     layer's gathering begins (that layer's parameters and buffer), the sharded parameters and Adam's state.
@@ -444,12 +445,15 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
                     "gradients": behind(j), "activations": activations,
                     "backward": made - sum(layers[i] for i in order[:j]) * ratio}
                    for j, activations, made in est.layer_gaps if 0 < j < len(order)]
-    end = {**step, "gathered": root * ratio, "gradients": held or sum(layers) / world_size,
+    # the end of backward: every layer's gradient shard, the last layer's reduce-scatter input still held
+    shards = held or sum(layers) / world_size
+    end = {**step, "gathered": root * ratio, "gradients": shards + (buffers[order[-1]] if order else 0),
            "optimizer": sharded_optimizer, "backward": root * ratio}
-    # then the root resharded: its gradients copied into its reduce-scatter's fp32 input, and that reduce-scatter's
-    # output beside it, while the source embedding's gradient, the last that backward made, is still held
+    # then the root resharded: its gradients copied into its reduce-scatter's fp32 input (that input let go), and
+    # that reduce-scatter's output beside it, while the source embedding's gradient, the last that backward made,
+    # is still held
     root_padded = sum(padded.values()) - sum(buffers)
-    copying = {**end, "gathered": 0, "gradients": end["gradients"] + root_padded}
+    copying = {**end, "gathered": 0, "gradients": shards + root_padded}
     reducing = {**copying, "gradients": copying["gradients"] + root_padded / world_size,
                 "backward": size[id(model.src_embed.tokens.weight)] * ratio}
     forward = {**end, "gathered": starting, "gradients": held, "backward": 0}

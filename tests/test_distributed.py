@@ -488,11 +488,9 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
     args, whole_step, shape, _ = peak_cases()["ddp"]
     sharded, ddp, end = planned("fsdp", 2), planned("ddp", 2), planned("fsdp_vocab", 2)
     whole = estimate_step(args, whole_step, shape)
-    assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
+    assert_end_of_backward_planned(end, measured)
     for peaks in measured:
         assert -0.01 < (sharded.peak_bytes - peaks["fsdp"]["peak"]) / peaks["fsdp"]["peak"] < 0.02
-        # a batch small against a large untied vocabulary: 8.2% under before the end of backward was a moment
-        assert -0.01 < (end.peak_bytes - peaks["fsdp_vocab"]["peak"]) / peaks["fsdp_vocab"]["peak"] < 0.02
         # DDP: the step's peak plus one fp32 copy of the gradients, counted once (the tracker used to count the
         # buckets again when backward wrote into them: 10.8% over)
         assert ddp.peak_bytes == whole.peak_bytes + 4 * whole.parameters
@@ -508,6 +506,16 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
         for name in ("fsdp_step", "fsdp_step_decay"):
             assert -0.01 < (step.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.02, name
     assert_layer_and_accumulated_moments_planned(2, measured)
+
+
+def assert_end_of_backward_planned(end, measured: list[dict]) -> None:
+    """A batch small against a large untied vocabulary, whose peak is the end of backward: the root unit's
+    gathered parameters and gradients, every layer's gradient shard and the last layer's reduce-scatter input
+    (0.5% under with 2 ranks without it, until 2026-12-07; 8.2% under before the end of backward was a moment).
+    Against the lowest rank's peak: a buffer freed off the main thread raises one rank's in some runs."""
+    assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
+    lowest = min(peaks["fsdp_vocab"]["peak"] for peaks in measured)
+    assert -0.002 < (end.peak_bytes - lowest) / lowest < 0.01
 
 
 def planned(name: str, ranks: int):
@@ -620,13 +628,13 @@ def test_the_planner_knows_a_layers_backward_under_fsdp_with_4_ranks(tmp_path):
     tokens in a layer's backward, with its activations, and accumulated steps (``assert_layer_and_accumulated_moments_planned``)."""
     proc = torchrun("tests/ddp_worker.py", str(tmp_path), "fsdp-plan", nproc=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    batch, end, layer = planned("fsdp", 4).peak_bytes, planned("fsdp_vocab", 4).peak_bytes, adam_step_planned(4)
+    batch, layer = planned("fsdp", 4).peak_bytes, adam_step_planned(4)
     assert layer.by_category["backward"] > 0  # the moment of a layer's backward
     ranks = [torch.load(tmp_path / f"fsdp_peak{rank}.pt", weights_only=True) for rank in range(4)]
+    assert_end_of_backward_planned(planned("fsdp_vocab", 4), ranks)  # was 16% under
     for measured in ranks:
         # the buffer freed off the main thread moves this peak by up to a layer's worth (0.9% of it) in some runs
         assert -0.015 < (batch - measured["fsdp"]["peak"]) / measured["fsdp"]["peak"] < 0.02
-        assert -0.01 < (end - measured["fsdp_vocab"]["peak"]) / measured["fsdp_vocab"]["peak"] < 0.02  # was 16% under
         assert -0.02 < (layer.peak_bytes - measured["fsdp_step"]["peak"]) / measured["fsdp_step"]["peak"] < 0.01
     assert_layer_and_accumulated_moments_planned(4, ranks)
 
