@@ -549,9 +549,11 @@ class LayerWindows(TensorMemoryTracker):
     """A tracker that also follows the backward of each encoder and decoder layer, from its output's gradient to
     its input's (``open``, ``close``): ``windows`` gets, for each in the order backward reaches them, the split at
     its highest moment of what was made since it began, as (activations and logits alive then, backward
-    temporaries and parameter gradients made since it began). That is what a layer's backward adds under
-    memory=fsdp, whose other parts (gathered parameters, gradient shards) the planner knows: a checkpointed
-    layer's recomputed activations are in its window; the embeddings' gradients, made after, are not.
+    temporaries and parameter gradients made since it began, and the parameter gradients made before it began,
+    since the step began). That is what a layer's backward adds under memory=fsdp, whose other parts (gathered
+    parameters, gradient shards) the planner knows: a checkpointed layer's recomputed activations are in its
+    window; the embeddings' gradients, made after, are not; the output projection's, made before it, are among the
+    gradients made before, which FSDP keeps whole until the end of backward.
 
     ``gaps`` gets each stretch of backward between a layer's window and the next that does not follow at once (the
     target embedding's backward, between the decoder's first layer and the encoder's last), as (the index of the
@@ -561,7 +563,7 @@ class LayerWindows(TensorMemoryTracker):
 
     def __init__(self, device_type: str = "cpu"):
         super().__init__(device_type)
-        self.windows: list[tuple[int, int]] = []
+        self.windows: list[tuple[int, int, int]] = []
         self.gaps: list[tuple[int, int, int]] = []
         self._since: dict | None = None  # the open window: its layer, the gradients then, its highest, its split
         self._gap: dict | None = None  # the open gap: its highest, its split
@@ -575,17 +577,18 @@ class LayerWindows(TensorMemoryTracker):
         """A layer's backward begins, as the one still open ends (that one's input is this one's output), or as
         the gap since the last one closed ends."""
         if self._since is not None:
-            self.windows.append(self._since["split"])
+            self.windows.append((*self._since["split"], self._since["before"]))
         elif self._gap is not None:
             self.gaps.append((len(self.windows), *self._gap["split"]))
         self._gap = None
         c = self.live_by_category
         self._since = {"layer": layer, "gradients": c["gradients"], "high": self.live,
-                       "split": (c["activations"] + c["logits"], c["backward"])}
+                       "split": (c["activations"] + c["logits"], c["backward"]),
+                       "before": c["gradients"] - self._gradients_before}
 
     def close(self, layer: int) -> None:
         if self._since is not None and self._since["layer"] == layer:
-            self.windows.append(self._since["split"])
+            self.windows.append((*self._since["split"], self._since["before"]))
             self._since = None
             self._gap = {"high": -1}
             self._raise(self._gap, self._gradients_before)
@@ -606,7 +609,7 @@ class LayerWindows(TensorMemoryTracker):
 
 
 def tracked_step(trainer, micro_batches: list, device_type: str = "cpu",
-                 marks: dict[str, int] | None = None, windows: list[tuple[int, int]] | None = None
+                 marks: dict[str, int] | None = None, windows: list[tuple[int, int, int]] | None = None
                  ) -> TensorMemoryTracker:
     """One training step under a new tracker that starts with the model's parameters, the optimizer's state (call
     it after a first step has created Adam's moments) and DDP's gradient buckets: the tracker, with the step's peak

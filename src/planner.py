@@ -136,8 +136,8 @@ class Estimate:
     model_flops: int = 0  # the model's FLOPs of the same step (``ModelArgs.training_flops``): each product once
     # What each encoder and decoder layer's backward holds at its highest beyond what it began with, in the order
     # backward reaches them (the first micro-batch's): (activations and logits alive, backward temporaries and
-    # parameter gradients made): ``memory.LayerWindows``
-    layer_windows: tuple[tuple[int, int], ...] = ()
+    # parameter gradients made, parameter gradients made before it): ``memory.LayerWindows``
+    layer_windows: tuple[tuple[int, int, int], ...] = ()
     # And each stretch of backward between two of them (the target embedding's, between the decoder's layers and the
     # encoder's): (the index of the layer window after it, activations and logits alive at its highest, backward
     # temporaries and parameter gradients made by then): ``memory.LayerWindows.gaps``
@@ -280,7 +280,7 @@ def _fake_step(args: ModelArgs, planned: MemoryStrategy, shape: StepShape, label
         micro = [_fake_batch(shape) for _ in range(min(shape.accum_steps, 2))]
         create_optimizer_state(optimizer)
         marks: dict[str, int] = {}
-        windows: list[tuple[int, int]] = []
+        windows: list[tuple[int, int, int]] = []
         with FlopCount() as counter:
             tracker = tracked_step(trainer, micro, marks=marks, windows=windows)
     return Estimate(
@@ -359,10 +359,12 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     root unit and that layer gathered, with the buffer of the next layer's all-gather, which FSDP prefetches as this
     one's backward begins (none after the last), the reduce-scatter of the layer before it (its input, a copy of
     that layer's gradient kept until the next one starts), the gradient shards of all the layers before it, 1/N
-    each, the sharded parameters and Adam's state, and what the layer's backward holds at its highest in the
-    single-process step: the activations still alive, its backward temporaries (a checkpointed layer's recomputed
-    activations among them) and its unsharded gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment
-    took the largest window with two layers' shards; with bf16 parameters a checkpointed step's peak is a later
+    each, the root unit's gradients made before it (the output projection's: FSDP keeps them whole until the root
+    reduce-scatters at the end; 0.42% under without them, until 2026-12-07), the sharded parameters and Adam's
+    state, and what the layer's backward holds at its highest in the single-process step: the activations still
+    alive, its backward temporaries (a checkpointed layer's recomputed activations among them) and its unsharded
+    gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment took the largest window with two layers'
+    shards; with bf16 parameters a checkpointed step's peak is a later
     layer's, with more shards, 2.5% above it (4 ranks). Until later that day each layer's moment held a buffer of
     its own size: the decoder's first layer, reached before the encoder's smaller last one, was up to 2.3% over.
     With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is with a
@@ -434,16 +436,18 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     def behind(j: int) -> float:  # the gradients of the layers backward reached before the j-th: reduce-scattered
         return buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size)
 
+    def root_gradients(made: float, j: int) -> float:  # of the gradients the single-process step made before the
+        return max(0.0, made - sum(layers[i] for i in order[:j]) * ratio)  # j-th layer, the root's: held whole
+
     layer_moments = [{**step, "gathered": (root + layers[order[j]] + prefetched[j]) * ratio,
                       "optimizer": sharded_optimizer, "gradients": behind(j), "activations": activations,
-                      "backward": backward}
-                     for j, (activations, backward) in enumerate(est.layer_windows[1:len(order)], 1)]
+                      "backward": backward + root_gradients(before, j)}
+                     for j, (activations, backward, before) in enumerate(est.layer_windows[1:len(order)], 1)]
     # between the decoder's layers and the encoder's, the target embedding's backward: the root's gradients made by
     # then (the output projection's, and with tied embeddings the embedding's added into it), the encoder's last
     # layer gathered ahead (its all-gather's buffer freed) and its activations alive
     gap_moments = [{**step, "gathered": (root + layers[order[j]]) * ratio, "optimizer": sharded_optimizer,
-                    "gradients": behind(j), "activations": activations,
-                    "backward": made - sum(layers[i] for i in order[:j]) * ratio}
+                    "gradients": behind(j), "activations": activations, "backward": root_gradients(made, j)}
                    for j, activations, made in est.layer_gaps if 0 < j < len(order)]
     # the end of backward: every layer's gradient shard, the last layer's reduce-scatter input still held
     shards = held or sum(layers) / world_size

@@ -511,11 +511,16 @@ def test_the_planner_knows_fsdps_sharded_sizes_and_ddps_buckets(worker_cases):
 def assert_end_of_backward_planned(end, measured: list[dict]) -> None:
     """A batch small against a large untied vocabulary, whose peak is the end of backward: the root unit's
     gathered parameters and gradients, every layer's gradient shard and the last layer's reduce-scatter input
-    (0.5% under with 2 ranks without it, until 2026-12-07; 8.2% under before the end of backward was a moment).
-    Against the lowest rank's peak: a buffer freed off the main thread raises one rank's in some runs."""
+    (0.5% under with 2 ranks without it, until 2026-12-07; 8.2% under before the end of backward was a moment)."""
     assert end.by_category["backward"] == end.by_category["gathered"]  # the root's gradients, at the end of backward
-    lowest = min(peaks["fsdp_vocab"]["peak"] for peaks in measured)
-    assert -0.002 < (end.peak_bytes - lowest) / lowest < 0.01
+    assert_planned(end, measured, "fsdp_vocab")
+
+
+def assert_planned(est, measured: list[dict], name: str) -> None:
+    """``est`` within 0.3% under and 1% over the lowest rank's tracked peak of the worker's step ``name``: a buffer
+    freed off the main thread raises one rank's peak by up to a layer's worth in some runs, not every rank's."""
+    lowest = min(peaks[name]["peak"] for peaks in measured)
+    assert -0.003 < (est.peak_bytes - lowest) / lowest < 0.01, name
 
 
 def planned(name: str, ranks: int):
@@ -541,7 +546,9 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
     while each rank's is a layer's backward with the activations still alive then; and 16 pairs with checkpointed
     layers, each rank's peak a layer's backward with its recomputed activations. Until 2026-12-07 that moment held
     neither, and the estimates were 13.6% and 4.4% under with 2 ranks, 27.9% and 12.7% with 4; now 0.0% (within
-    0.03%), with each layer's moment holding the next layer's all-gather buffer, prefetched.
+    0.03%), with each layer's moment holding the next layer's all-gather buffer, prefetched, and the root unit's
+    gradients made before it, which FSDP keeps whole until the end of backward (without them, autocast over
+    checkpointed layers was 0.42% under with 2 ranks).
 
     Accumulating over 2 micro-batches of 1 pair of 16 tokens, the peak is a layer's backward in the second, with
     every gradient shard of the first held; and with a large untied vocabulary, the second's forward as it begins,
@@ -556,16 +563,13 @@ def assert_layer_and_accumulated_moments_planned(ranks: int, measured: list[dict
         # a layer's backward (with activations), or forward's start (vocab_accum): not the single-process peak
         with_activations = name != "fsdp_vocab_accum"
         assert est.by_category["gathered"] > 0 and (est.by_category["activations"] > 0) == with_activations, name
-        for peaks in measured:
-            # (the buffer freed off the main thread moves a peak up by a layer's worth in some runs)
-            assert -0.03 < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < 0.01, name
+        assert_planned(est, measured, name)
     # a tied vocabulary under bf16 autocast: the target embedding's backward, its gradient added into the output
     # projection's, the encoder's last layer gathered ahead and its activations alive (the plan had no such moment
     # until 2026-12-07, and was 1.6% under with 2 ranks, 1.8% with 4 and 8: experiments/distributed/fsdp_peaks.py)
     est = planned("fsdp_tied_amp", ranks)
     assert est.by_category["activations"] > 0  # the encoder's, alive then (not the end of backward's moment)
-    for peaks in measured:
-        assert -0.015 < (est.peak_bytes - peaks["fsdp_tied_amp"]["peak"]) / peaks["fsdp_tied_amp"]["peak"] < 0.015
+    assert_planned(est, measured, "fsdp_tied_amp")
     assert_bf16_parameters_planned(ranks, measured)
 
 
@@ -577,12 +581,9 @@ def assert_bf16_parameters_planned(ranks: int, measured: list[dict]) -> None:
     vocabulary's end of backward: the root's bf16 gradients copied into the fp32 input of its reduce-scatter (the
     peak with 4 ranks), then that reduce-scatter's output beside it (with 2), while the source embedding's gradient,
     the last that backward made, is still held: 9.5% and 18% below fp32."""
-    for name, below, error in (("fsdp_bf16_checkpoint", "fsdp_amp_checkpoint", (-0.03, 0.01)),
-                               ("fsdp_bf16_vocab", "fsdp_vocab", (-0.01, 0.01))):
-        est = planned(name, ranks)
-        for peaks in measured:
-            assert peaks[name]["peak"] < 0.95 * peaks[below]["peak"], name
-            assert error[0] < (est.peak_bytes - peaks[name]["peak"]) / peaks[name]["peak"] < error[1], name
+    for name, below in (("fsdp_bf16_checkpoint", "fsdp_amp_checkpoint"), ("fsdp_bf16_vocab", "fsdp_vocab")):
+        assert all(peaks[name]["peak"] < 0.95 * peaks[below]["peak"] for peaks in measured), name
+        assert_planned(planned(name, ranks), measured, name)
 
 
 @pytest.mark.slow
