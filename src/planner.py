@@ -364,9 +364,9 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     state, and what the layer's backward holds at its highest in the single-process step: the activations still
     alive, its backward temporaries (a checkpointed layer's recomputed activations among them) and its unsharded
     gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment took the largest window with two layers'
-    shards; with bf16 parameters a checkpointed step's peak is a later
-    layer's, with more shards, 2.5% above it (4 ranks). Until later that day each layer's moment held a buffer of
-    its own size: the decoder's first layer, reached before the encoder's smaller last one, was up to 2.3% over.
+    shards; with bf16 parameters a checkpointed step's peak is a later layer's, with more shards, 2.5% above it (4
+    ranks). Until later that day each layer's moment held a buffer of its own size: the decoder's first layer,
+    reached before the encoder's smaller last one, was up to 2.3% over.
     With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is with a
     medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under
     with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and
@@ -436,8 +436,8 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     def behind(j: int) -> float:  # the gradients of the layers backward reached before the j-th: reduce-scattered
         return buffers[order[j - 1]] + (held or sum(buffers[i] for i in order[:j]) / world_size)
 
-    def root_gradients(made: float, j: int) -> float:  # of the gradients the single-process step made before the
-        return max(0.0, made - sum(layers[i] for i in order[:j]) * ratio)  # j-th layer, the root's: held whole
+    def root_gradients(made: float, j: int) -> float:  # the root's of ``made``, the gradients made before the j-th
+        return max(0.0, made - sum(layers[i] for i in order[:j]) * ratio)  # (all but the layers'): held whole
 
     layer_moments = [{**step, "gathered": (root + layers[order[j]] + prefetched[j]) * ratio,
                       "optimizer": sharded_optimizer, "gradients": behind(j), "activations": activations,
@@ -453,9 +453,9 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     shards = held or sum(layers) / world_size
     end = {**step, "gathered": root * ratio, "gradients": shards + (buffers[order[-1]] if order else 0),
            "optimizer": sharded_optimizer, "backward": root * ratio}
-    # then the root resharded: its gradients copied into its reduce-scatter's fp32 input (that input let go), and
-    # that reduce-scatter's output beside it, while the source embedding's gradient, the last that backward made,
-    # is still held
+    # then the root resharded: its gradients copied into its reduce-scatter's fp32 input (the last layer's let go
+    # by then), and that reduce-scatter's output beside it, while the source embedding's gradient, the last that
+    # backward made, is still held
     root_padded = sum(padded.values()) - sum(buffers)
     copying = {**end, "gathered": 0, "gradients": shards + root_padded}
     reducing = {**copying, "gradients": copying["gradients"] + root_padded / world_size,
