@@ -35,20 +35,23 @@ FAST = ["data.train_size=300", "data.valid_size=20", "data.test_size=20", *FAST_
 
 # The test files, longest first: pytest-xdist (--dist loadfile --no-loadscope-reorder, pyproject.toml) gives each
 # worker the next file in this order as it finishes one, so that the long files do not come last to one worker
-# while the other has nothing left. Seconds of one run on 2 cores (2026-12-05): with xdist's own order (by the
-# number of tests) test_distributed.py came last, and one worker finished 86 s after the other (505 s against 419).
-# A file not listed runs after these; the order only changes how long the suite takes.
-LONGEST_FIRST = ["test_planner.py",  # 167 s
-                 "test_distributed.py",  # 153
-                 "test_resume.py",  # 120
-                 "test_train_e2e.py",  # 97
-                 "test_sweeps.py",  # 91
-                 "test_bad_input.py",  # 73
-                 "test_config.py",  # 43
+# while the other has nothing left. With xdist's own order (by the number of tests) test_distributed.py came last,
+# and one worker finished 86 s after the other (505 s against 419, 2026-12-05). Seconds of each file in one run on 2
+# cores (2026-12-07 at 0707809, `--durations=0`: 1,137 s over the two workers, 9 min 41 s; test_distributed.py's
+# 4-rank test about 20 s shorter since). A file not listed runs after these; the order only changes how long the
+# suite takes.
+LONGEST_FIRST = ["test_distributed.py",  # 286 s
+                 "test_planner.py",  # 217
+                 "test_resume.py",  # 152
+                 "test_sweeps.py",  # 107
+                 "test_train_e2e.py",  # 101
+                 "test_bad_input.py",  # 74
+                 "test_config.py",  # 41
                  "test_memory.py",  # 41
-                 "test_trainer.py",  # 36
-                 "test_slurm.py",  # 29
-                 "test_data.py"]  # 23; the rest, 14 s or less each
+                 "test_data.py",  # 27
+                 "test_slurm.py",  # 22
+                 "test_tokenizers.py",  # 19
+                 "test_trainer.py"]  # 19 (25 in another run: torch.compile); the rest, 14 s or less each
 
 
 def pytest_collection_modifyitems(items: list) -> None:
