@@ -577,7 +577,7 @@ class LayerWindows(TensorMemoryTracker):
         """A layer's backward begins, as the one still open ends (that one's input is this one's output), or as
         the gap since the last one closed ends."""
         if self._since is not None:
-            self.windows.append((*self._since["split"], self._since["before"]))
+            self._end_window()
         elif self._gap is not None:
             self.gaps.append((len(self.windows), *self._gap["split"]))
         self._gap = None
@@ -588,10 +588,13 @@ class LayerWindows(TensorMemoryTracker):
 
     def close(self, layer: int) -> None:
         if self._since is not None and self._since["layer"] == layer:
-            self.windows.append((*self._since["split"], self._since["before"]))
-            self._since = None
+            self._end_window()
             self._gap = {"high": -1}
             self._raise(self._gap, self._gradients_before)
+
+    def _end_window(self) -> None:
+        self.windows.append((*self._since["split"], self._since["before"]))
+        self._since = None
 
     def _raise(self, stretch: dict, gradients_before: int) -> None:
         """``stretch``'s highest moment and split, if this one is higher."""
