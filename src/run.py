@@ -49,6 +49,7 @@ from .errors import ConfigError, NumericalError, UserError
 from .evaluate import Evaluator, check_scoring, evaluation_sets
 from .faults import Fault, Interrupted, continue_where, fault_settings, resume_setting, stop_on_signals
 from .fileio import link_atomically, locked, write_json, write_text
+from .gpu_cap import gpu_memory_cap
 from .kernels import attention_backends, attention_names, check_attention, deterministic_algorithms, matmul_precision
 from .loggers import NullLogger, RunLogger, hydra_job, run_dir_key, run_name
 from .memory import (
@@ -138,7 +139,8 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
                               "torchrun --nproc_per_node=N train.py ..., N >= 2")
         tr = conf["trainer"]
-        with (process_group(world, device), deterministic_algorithms(tr["deterministic"]),
+        with (gpu_memory_cap(tr.get("gpu_gb"), (conf.get("plan") or {}).get("context_gb", 0.5), device),
+              process_group(world, device), deterministic_algorithms(tr["deterministic"]),
               attention_backends(tr.get("attention")), matmul_precision(tr.get("matmul_precision", "highest"))):
             record.run_dir = run_dir = Path(world.broadcast(str(record.run_dir.resolve())))  # rank 0's, on every rank
             if world.main:
@@ -401,6 +403,7 @@ class TrainingRun:
         info["device"], info["threads"], info["world_size"] = str(device), torch.get_num_threads(), world.size
         info["reuse_host_memory"] = reuse_host_memory
         info["deterministic"] = tr["deterministic"]
+        info["gpu_gb"] = tr.get("gpu_gb")  # the card emulated (trainer.gpu_gb); null: the whole device
         info["matmul_precision"] = torch.get_float32_matmul_precision()
         info["attention"] = attention_names(tr.get("attention"))  # the kernels allowed; None: PyTorch chose
         self.src_codec, self.tgt_codec = self.encoded.src_codec, self.encoded.tgt_codec

@@ -64,6 +64,8 @@ def check_trainer(tr: dict) -> None:
     check_number("trainer.length_penalty", tr.get("length_penalty"), 0, why=" (0: no length penalty)")
     check_number("trainer.peak_tflops", tr.get("peak_tflops"), 0, strict=True, nullable=True,
                  why=" (one device's datasheet TFLOP/s at the run's precision; null: no MFU)")
+    check_number("trainer.gpu_gb", tr.get("gpu_gb"), 0, strict=True, nullable=True,
+                 why=" (the GB of the card to train as on; null: the whole device)")
     if tr.get("average_last") and tr["average_last"] > tr["keep_last"]:
         raise ConfigError(f"trainer.average_last={tr['average_last']} needs as many step checkpoints kept: set "
                           f"trainer.keep_last={tr['average_last']} or more (it is {tr['keep_last']})")
@@ -200,6 +202,10 @@ def check_settings(conf: dict) -> None:
     if not conf["data"].get("max_tokens") and isinstance(accum, int) and accum > batch:
         raise ConfigError(f"memory.accum_steps={accum}: more micro-batches than the {batch} pairs of data.batch_size; "
                           f"at most {batch} (micro-batches of one pair)")
+    card = conf["trainer"].get("gpu_gb")
+    if memory.get("auto") and card and (memory.get("budget_gb") or 0) > card:
+        log.warning("memory.budget_gb=%s is more than the %s GB of trainer.gpu_gb: memory=auto plans for a larger "
+                    "card than the run is capped at", memory["budget_gb"], card)
     if memory.get("budget_gb") is not None and not memory.get("auto"):
         log.warning("memory.budget_gb=%s: read by memory=auto alone; this run's strategy does not fit itself to it "
                     "(plan.py checks a card with plan.gpu_gb)", memory["budget_gb"])
