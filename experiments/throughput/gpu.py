@@ -1,4 +1,5 @@
-"""Everything this repository measures on a GPU, in one command (about 6 minutes on one H200, then the compile run):
+"""Everything this repository measures on a GPU, in one command (on one H200 about 6 minutes, then the compile run;
+part 5's 12 GB card, added since, is not timed yet):
 
     MULTI30K_ROOT=/path/to/multi30k python experiments/throughput/gpu.py [--out DIR] [--steps 200]
 
@@ -15,8 +16,10 @@
    operators by CUDA time; then the same with the first of --attention, in the same file;
 4. the memory strategies on one batch of model=base (experiments/memory_strategies/measure.py --device cuda);
 5. the memory planner against CUDA's allocator (experiments/planner/check.py --device cuda), the README's classic
-   case included; then the host time of making a step's batch on this machine's CPU, now and as it was made until
-   2026-12-06 (experiments/foundation/collate_time.py: seconds);
+   case included; then a 12 GB card on this one (experiments/planner/card.py: model=base, 512 Multi30k pairs a
+   step, under trainer.gpu_gb=12, out of memory without back-off, trained with it and with memory=auto); then the
+   host time of making a step's batch on this machine's CPU, now and as it was made until 2026-12-06
+   (experiments/foundation/collate_time.py: seconds);
 6. trainer.deterministic=true: two 20-step bf16 runs of one seed, whose losses must repeat to the bit;
 7. the bf16 run of part 2 again with trainer.compile=true (torch.compile, dynamic shapes), last because compiling
    takes minutes: whether it pays on a GPU (it does not on the CPU).
@@ -102,7 +105,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a batch (padding counted)")
     parser.add_argument("--model", nargs="*", default=BASE, help="model overrides (default: model=base's sizes)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["attention", "fp32", "profile", "memory", "planner",
-                                                                     "host", "determinism", "compile"])
+                                                                     "card", "host", "determinism", "compile"])
     parser.add_argument("--attention", nargs="+", default=list(ATTENTION_CHOICES),
                         help="trainer.attention settings timed besides PyTorch's choice; the first is profiled too")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the bf16 runs (PyTorch's choice and --attention)")
@@ -173,6 +176,9 @@ def main() -> None:
             train_run(label, ["memory=amp", *([f"trainer.attention={choice}"] if choice else [])], bf16_rate)
         if r == 0 and "planner" not in args.skip:  # early: seconds long, and what the planner's GPU check needs
             ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
+        if r == 0 and "card" not in args.skip:  # a 12 GB card on this one: plan.py's verdict against training
+            ran("card", sub("experiments/planner/card.py", "--device", args.device, "--root", args.root,
+                            "--out", str(out / "planner")))
         if r == 0 and "host" not in args.skip:  # seconds: the host time of a step's batch, which the device waits for
             status = sub("experiments/foundation/collate_time.py", "--root", args.root)
             ran("host", status)
