@@ -96,7 +96,7 @@ class MemoryStrategy:
         if self.auto and not (isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
                               and math.isfinite(budget)):
             raise ConfigError(f"memory.budget_gb={self.budget_gb}: memory=auto needs the memory budget in GB, "
-                              "e.g. memory.budget_gb=12")
+                              "e.g. memory.budget_gb=12 (by default a GPU run's trainer.gpu_gb)")
 
     def backoffs(self, distributed: bool) -> int:
         """How many out-of-memory back-offs a step may take: memory.oom_retries, or by default 3 in one process

@@ -6,9 +6,11 @@ import types
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from src.errors import ConfigError
 from src.gpu_cap import GiB, cap_fraction, gpu_memory_cap
+from src.memory import memory_strategy
 from src.run import train
 
 from .conftest import FAST, compose_config
@@ -57,6 +59,16 @@ def test_a_run_on_the_cpu_refuses_a_card_to_train_as_on_before_the_data_is_read(
     with pytest.raises(ConfigError, match=r"^trainer.gpu_gb=12: caps a GPU's memory, and this run trains on the cpu"):
         train(compose_config(*FAST, "trainer.gpu_gb=12", run_dir=tmp_path))
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_memory_auto_plans_for_the_card_the_run_is_capped_at_unless_given_a_budget():
+    def budget(*overrides: str) -> float | None:
+        memory = OmegaConf.to_container(compose_config("memory=auto", *overrides).memory, resolve=True)
+        return memory_strategy(memory).budget_gb
+
+    assert budget("trainer.gpu_gb=12") == 12 and budget("trainer.gpu_gb=12", "memory.budget_gb=8") == 8
+    with pytest.raises(ConfigError, match=r"^memory.budget_gb=None: memory=auto needs the memory budget in GB"):
+        budget()
 
 
 @needs_cuda
