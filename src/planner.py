@@ -360,13 +360,13 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
     one's backward begins (none after the last), the reduce-scatter of the layer before it (its input, a copy of
     that layer's gradient kept until the next one starts), the gradient shards of all the layers before it, 1/N
     each, the root unit's gradients made before it (the output projection's: FSDP keeps them whole until the root
-    reduce-scatters at the end; 0.42% under without them, until 2026-12-07), the sharded parameters and Adam's
-    state, and what the layer's backward holds at its highest in the single-process step: the activations still
-    alive, its backward temporaries (a checkpointed layer's recomputed activations among them) and its unsharded
-    gradient (``Estimate.layer_windows``). Until 2026-12-07 one moment took the largest window with two layers'
-    shards; with bf16 parameters a checkpointed step's peak is a later layer's, with more shards, 2.5% above it (4
-    ranks). Until later that day each layer's moment held a buffer of its own size: the decoder's first layer,
-    reached before the encoder's smaller last one, was up to 2.3% over.
+    reduce-scatters at the end; 0.42% under without them), the sharded parameters and Adam's state, and what the
+    layer's backward holds at its highest in the single-process step: the activations still alive, its backward
+    temporaries (a checkpointed layer's recomputed activations among them) and its unsharded gradient
+    (``Estimate.layer_windows``). Every layer is a moment of its own: with bf16 parameters a checkpointed step's
+    peak is a later layer's, with more shards (one moment of the largest window with two layers' shards was 2.5%
+    under, 4 ranks), and the buffer is the next layer's (one of the layer's own size was up to 2.3% over: the
+    decoder's first layer is reached before the encoder's smaller last one).
     With a small batch and 4 or more ranks, which divide everything else, this moment is the peak; so it is with a
     medium one, whose single-process peak is Adam's step (model=small, 4 pairs of 32 tokens: 13.6% and 27.9% under
     with 2 and 4 ranks without the activations), and with checkpointed layers (16 pairs of 32 tokens: 4.4% and
@@ -381,7 +381,7 @@ def shard_estimate(est: Estimate, args: ModelArgs, world_size: int, device: str 
 
     At the end of backward: the root unit's parameters still gathered, with all their unsharded gradients, which it
     reduce-scatters last, beside the layers' gradient shards and the last layer's reduce-scatter input (0.5% under
-    without it, until 2026-12-07), the sharded parameters and Adam's state. With a large untied vocabulary and a
+    without it), the sharded parameters and Adam's state. With a large untied vocabulary and a
     small batch, this moment is the peak (experiments/distributed/fsdp_peaks.py). Then the root resharded: its
     unsharded gradients copied into its reduce-scatter's fp32 input (with bf16 parameters, the larger moment: the
     peak with 4 ranks), and that reduce-scatter's output beside the input while the source embedding's gradient,
