@@ -176,7 +176,7 @@ def main() -> None:
             train_run(label, ["memory=amp", *([f"trainer.attention={choice}"] if choice else [])], bf16_rate)
         if r == 0 and "planner" not in args.skip:  # early: seconds long, and what the planner's GPU check needs
             ran("planner", sub("experiments/planner/check.py", "--device", args.device, "--out", str(out / "planner")))
-        if r == 0 and "card" not in args.skip:  # a 12 GB card on this one: plan.py's verdict against training
+        if r == 0 and cuda and "card" not in args.skip:  # a 12 GB card on this one (the CPU has no cap to rehearse)
             ran("card", sub("experiments/planner/card.py", "--device", args.device, "--root", args.root,
                             "--out", str(out / "planner")))
         if r == 0 and "host" not in args.skip:  # seconds: the host time of a step's batch, which the device waits for
