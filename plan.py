@@ -1,6 +1,6 @@
 """Will it fit? Estimate a training step's peak memory before running it, on the CPU, in seconds:
 
-    python plan.py [the overrides you would give train.py] [plan.gpu_gb=12]
+    python plan.py [the overrides you would give train.py] [plan.gpu_gb=12]   # (a run's trainer.gpu_gb: that card)
     python plan.py -m memory=none,amp,accum,checkpoint,chunked_ce model=base    # strategies ranked by peak
 
 One training step of the worst-case batch (every sentence as long as the longest the data settings allow) runs on
@@ -52,7 +52,10 @@ def resolved(overrides: list[str], primary: tuple[Path, str]) -> dict:
         for split in SPLITS:
             if OmegaConf.is_missing(cfg.data, f"{split}_prefix"):
                 cfg.data[f"{split}_prefix"] = None
-    return resolve_config(cfg)  # else data=files without its paths: one line, as train.py says it
+    conf = resolve_config(cfg)  # else data=files without its paths: one line, as train.py says it
+    if card := conf["trainer"].get("gpu_gb"):  # the card the run trains as on is the one to check
+        conf.setdefault("plan", {})["gpu_gb"] = card
+    return conf
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +160,7 @@ def print_one(conf, strategy, est, info, gpu, overhead, context) -> None:
           "computes again counted)")
     need = est.required_gb(overhead, context)
     verdict = "fits" if need <= gpu else "does NOT fit"
-    key = "memory.budget_gb" if strategy.auto else "plan.gpu_gb"
+    key = "memory.budget_gb" if strategy.auto else "trainer.gpu_gb" if conf["trainer"].get("gpu_gb") else "plan.gpu_gb"
     print(f"a GPU needs {need:.2f} GB (peak + cuBLAS + {overhead:.0%} allocator overhead + {context} GB CUDA context): "
           f"{verdict} a {gpu:g} GB card ({key})" if info["device"] == "cuda" else
           f"it needs {need:.2f} GB (peak + {overhead:.0%} allocator overhead): {verdict} {gpu:g} GB ({key})")

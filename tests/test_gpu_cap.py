@@ -71,6 +71,16 @@ def test_memory_auto_plans_for_the_card_the_run_is_capped_at_unless_given_a_budg
         budget()
 
 
+def test_plan_py_checks_the_card_the_run_trains_as_on(capsys):
+    import plan
+
+    tiny = ["model=tiny", "plan.src_len=200", "plan.tgt_len=200", "plan.src_vocab=1000", "plan.tgt_vocab=1000"]
+    assert plan.main([*tiny, "trainer.gpu_gb=0.6"]) == 0
+    assert "does NOT fit a 0.6 GB card (trainer.gpu_gb)" in capsys.readouterr().out
+    assert plan.main([*tiny, "trainer.gpu_gb=2", "plan.gpu_gb=0.6"]) == 0
+    assert "fits a 2 GB card (trainer.gpu_gb)" in capsys.readouterr().out
+
+
 @needs_cuda
 def test_the_allocator_refuses_past_the_cap_and_holds_the_whole_card_again_after_it():
     device = torch.device("cuda")
