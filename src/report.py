@@ -489,12 +489,14 @@ def plot(jobs: list[Job], path: Path) -> None:
 def ran_on(jobs: list[Job]) -> str:
     """What the jobs ran on (device, torch, commit), once when they share it and per job when they do not: a
     sweep spread over a cluster's nodes may land on different cards, whose tokens/s do not compare."""
-    def describe(env: dict) -> str:
+    def describe(summary: dict) -> str:
+        env = summary["environment"]
         commit = env.get("git_commit")
         code = f"commit {commit[:7]}{' with local changes' if env.get('git_dirty') else ''}" if commit else "no git commit"
-        return f"{env.get('device_name', '?')}, torch {env.get('torch', '?')}, {code}"
+        card = f" as a {summary['gpu_gb']:g} GB card (trainer.gpu_gb)" if summary.get("gpu_gb") else ""
+        return f"{env.get('device_name', '?')}{card}, torch {env.get('torch', '?')}, {code}"
 
-    seen = {j.name: describe(j.summary["environment"]) for j in jobs if j.summary.get("environment")}
+    seen = {j.name: describe(j.summary) for j in jobs if j.summary.get("environment")}
     if not seen:
         return ""
     if len(set(seen.values())) == 1:

@@ -337,9 +337,10 @@ def test_report_shows_a_job_killed_before_its_summary(tmp_path):
     for job, card in (("0", "NVIDIA A100-SXM4-80GB"), ("10", "Tesla V100-SXM2-32GB")):  # a mixed partition
         summary = json.loads((sweep / job / "summary.json").read_text())
         summary["environment"] = {"device_name": card, "torch": "2.13.0", "git_commit": "0123456789", "git_dirty": False}
+        summary["gpu_gb"] = 12 if job == "0" else None  # job 0 trained as on a 12 GB card
         (sweep / job / "summary.json").write_text(json.dumps(summary))
     md, png, table = write_report(sweep)
-    assert ("Ran on:\n\n- job 0: NVIDIA A100-SXM4-80GB, torch 2.13.0, commit 0123456\n"
+    assert ("Ran on:\n\n- job 0: NVIDIA A100-SXM4-80GB as a 12 GB card (trainer.gpu_gb), torch 2.13.0, commit 0123456\n"
             "- job 10: Tesla V100-SXM2-32GB, torch 2.13.0, commit 0123456\n") in md.read_text()
     assert "| 1 | amp+accum trainer.max_steps=1 | 8 pairs (2 x 4) |" in table
     assert "| **no summary.json** (still running, or killed), logged up to step 4 |" in table
