@@ -71,6 +71,7 @@ def test_memory_auto_plans_for_the_card_the_run_is_capped_at_unless_given_a_budg
         budget()
 
 
+@pytest.mark.slow
 def test_plan_py_checks_the_card_the_run_trains_as_on(capsys):
     import plan
 
