@@ -102,3 +102,24 @@ def test_a_capped_run_trains_within_the_cap_and_says_so(tmp_path, shared_cache):
                                    cache_dir=shared_cache))
     assert summary["status"] == "completed" and summary["gpu_gb"] == 2
     assert summary["peak_reserved_mb"] <= 1.5 * 1024
+
+
+@needs_cuda
+def test_a_run_capped_below_its_step_backs_off_to_two_micro_batches_that_fit(tmp_path, shared_cache):
+    """The cap between what a step of 256 pairs allocates in one micro-batch (so it cannot fit) and what it reserves
+    in two (so they fit), each measured uncapped first: capped, the run runs out of memory in its first step, as a
+    card of that size would, redoes it with two micro-batches and trains within the cap."""
+    common = [*FAST, "trainer.device=cuda", "data.batch_size=256", "trainer.max_steps=2", "trainer.eval_every=2"]
+
+    def run(name: str, *extra: str) -> dict:
+        summary = train(compose_config(*common, *extra, run_dir=tmp_path / name, cache_dir=shared_cache))
+        assert summary["status"] == "completed", summary.get("error")
+        return summary
+
+    allocated = run("one")["peak_memory_mb"]  # CUDA's max_memory_allocated: no cap below it holds the step
+    reserved = run("two", "memory=accum", "memory.accum_steps=2")["peak_reserved_mb"]
+    assert reserved < 0.9 * allocated, (allocated, reserved)  # room between them for the cap
+    allowed_mb = (allocated + reserved) / 2
+    capped = run("capped", f"trainer.gpu_gb={0.5 + allowed_mb / 1024:.4f}")
+    assert [b["step"] for b in capped["oom_backoffs"]] == [1] and capped["final_accum_steps"] == 2
+    assert capped["peak_reserved_mb"] <= allowed_mb
