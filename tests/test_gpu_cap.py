@@ -21,7 +21,7 @@ def needs_cuda(test):
 
 
 def made_up_card(monkeypatch, total_gb: float) -> list[tuple]:
-    """An ``total_gb`` card for gpu_memory_cap to ask about; the fractions set on it, in order."""
+    """A card of ``total_gb`` GB for gpu_memory_cap to ask about; the fractions set on it, in order."""
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=int(total_gb * GiB), name="Made-up GPU"))
