@@ -3,9 +3,10 @@
 A lab's 80 GB card, capped with ``trainer.gpu_gb=12``, runs out of memory where a student's 12 GB card would: the
 caching allocator refuses to hold more than the card leaves beside its CUDA context (``plan.context_gb``, 0.5 GB,
 as the planner counts it; a real context takes 300-600 MiB), and raises the ``torch.OutOfMemoryError`` that card
-would raise, where it would (``torch.cuda.set_per_process_memory_fraction``). So a config, a planner's verdict, memory=auto's choice or the
-out-of-memory back-off can be checked for a card one does not have. The cap counts what the allocator reserves
-(its rounding and fragmentation included), not memory allocated outside it (NCCL's buffers, the context itself).
+would raise, where it would (``torch.cuda.set_per_process_memory_fraction``). So a config, a planner's verdict,
+memory=auto's choice or the out-of-memory back-off can be checked for a card one does not have. The cap counts what
+the allocator reserves (its rounding and fragmentation included), not memory allocated outside it (NCCL's buffers,
+the context itself).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import logging
 import torch
 
 from .errors import ConfigError
+from .planner import GiB
 
 log = logging.getLogger(__name__)
-
-GiB = 2**30
 
 
 def cap_fraction(gpu_gb: float, context_gb: float, total_bytes: int, name: str = "this GPU") -> float:

@@ -65,7 +65,7 @@ from .memory import (
     step_shapes,
 )
 from .model import Transformer
-from .planning import choose_for_budget
+from .planning import choose_for_budget, context_gb
 from .profiling import StepProfiler
 from .settings import check_settings, check_threads, from_launch_dir, resolve_config, resolve_device, unresolved
 from .state import (
@@ -139,7 +139,8 @@ def train(cfg: DictConfig) -> dict:
             raise ConfigError(f"memory=fsdp shards over 2 or more ranks of torchrun (this run has {world.size}): "
                               "torchrun --nproc_per_node=N train.py ..., N >= 2")
         tr = conf["trainer"]
-        with (gpu_memory_cap(tr.get("gpu_gb"), (conf.get("plan") or {}).get("context_gb", 0.5), device),
+        card_context = context_gb({**(conf.get("plan") or {}), "device": "cuda"})  # what trainer.gpu_gb's card holds
+        with (gpu_memory_cap(tr.get("gpu_gb"), card_context, device),
               process_group(world, device), deterministic_algorithms(tr["deterministic"]),
               attention_backends(tr.get("attention")), matmul_precision(tr.get("matmul_precision", "highest"))):
             record.run_dir = run_dir = Path(world.broadcast(str(record.run_dir.resolve())))  # rank 0's, on every rank
