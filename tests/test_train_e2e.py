@@ -74,7 +74,7 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "best.pt").is_file()
     assert list((run / "checkpoints").glob("step_*.pt")) and (run / "tokenizer" / "codecs.json").is_file()
     # the README names each key the run wrote (What a run writes: 13 of summary.json's were not)
-    assert unnamed_keys(summary, "summary.json") == [] and unnamed_keys({k: 0 for r in rows for k in r}, "metrics.jsonl") == []
+    assert unnamed_keys(summary, "summary.json") == [] and unnamed_keys(set().union(*rows), "metrics.jsonl") == []
 
     # translate.py with the best checkpoint reproduces the run's test translations
     hyps = (run / "test.hyp.txt").read_text().splitlines()
@@ -87,9 +87,9 @@ def test_tiny_run_writes_its_outputs_and_translates_again(fast_cfg, tmp_path, mo
     assert capsys.readouterr().out.splitlines() == hyps
 
 
-def unnamed_keys(written: dict, file: str) -> list[str]:
-    """The keys of ``written`` that the README's list of ``file``'s keys does not name (``mem_*_mb`` names those
-    keys of the ledger)."""
+def unnamed_keys(written, file: str) -> list[str]:
+    """The keys ``written`` (a dict's, or a set) that the README's list of ``file``'s keys does not name
+    (``mem_*_mb`` names those keys of the ledger)."""
     listed = (ROOT / "README.md").read_text().split(f"### `{file}`\n")[1].split("\n#")[0]
     return [k for k in written if f"`{k}`" not in listed and f"`{k.split('_')[0]}_*_mb`" not in listed]
 
