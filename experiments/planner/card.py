@@ -18,6 +18,7 @@ with ``--model model=tiny --batch 64 --steps 3``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -41,7 +42,8 @@ RUNS = {  # label: (overrides, capped)
 }
 
 
-def plan(overrides: list[str], gpu_gb: float) -> str:
+@functools.cache  # the back-off's run and the whole card's are planned alike: once
+def plan(overrides: tuple[str, ...], gpu_gb: float) -> str:
     """plan.py's verdict line for these overrides and a card of ``gpu_gb``."""
     proc = subprocess.run([sys.executable, "plan.py", *overrides, f"plan.gpu_gb={gpu_gb:g}"], cwd=ROOT,
                           capture_output=True, text=True)
@@ -82,7 +84,7 @@ def main() -> None:
         s = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         results["runs"][label] = {
             "command": " ".join(["python train.py", *overrides, *cap]), "exit": proc.returncode,
-            "wall_s": round(time.perf_counter() - started, 1), "plan": plan(overrides, args.gpu_gb),
+            "wall_s": round(time.perf_counter() - started, 1), "plan": plan(tuple(overrides), args.gpu_gb),
             **{k: s.get(k) for k in ("status", "error", "strategy", "steps", "oom_backoffs", "final_accum_steps",
                                      "peak_memory_mb", "peak_reserved_mb", "tokens_per_s", "gpu_gb", "auto")},
             "output_tail": proc.stdout.splitlines()[-5:],
