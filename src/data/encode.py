@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import ctypes
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -53,15 +54,22 @@ def code_digest() -> str:
     every Python version (a GPU machine's 3.12 finds the cache a 3.11 machine made)."""
     h = hashlib.sha256()
     for path in ENCODING_CODE:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body
-                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                    and isinstance(body[0].value.value, str)):
-                node.body = body[1:] or [ast.Pass()]
-        h.update(_shape(tree).encode())
+        h.update(_code_shape(path.read_text(encoding="utf-8")).encode())
     return h.hexdigest()[:16]
+
+
+@functools.cache
+def _code_shape(source: str) -> str:
+    """A module's syntax tree without its docstrings, as text (each run of a sweep, or of the tests, in one process
+    reads the same source: parsed once)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return _shape(tree)
 
 
 def _shape(node) -> str:
