@@ -918,7 +918,8 @@ def test_the_encoding_codes_digest_is_the_same_on_other_pythons():
     import shutil
     import subprocess
 
-    script = "\n".join(["import ast, hashlib", "from pathlib import Path", inspect.getsource(encode_mod._shape),
+    script = "\n".join(["import ast, functools, hashlib", "from pathlib import Path",
+                        inspect.getsource(encode_mod._shape), inspect.getsource(encode_mod._code_shape),
                         inspect.getsource(encode_mod.code_digest),
                         f"ENCODING_CODE = tuple(map(Path, {[str(p) for p in encode_mod.ENCODING_CODE]!r}))",
                         "print(code_digest())"])
@@ -927,8 +928,9 @@ def test_the_encoding_codes_digest_is_the_same_on_other_pythons():
     digests = {}
     for python in sorted(pythons):
         proc = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=60)
-        if proc.returncode == 0:  # (a pyenv shim of a version not selected fails)
+        if proc.returncode == 0:  # (a pyenv shim of a version not selected fails, without running Python)
             digests[python] = proc.stdout.strip()
+        assert "Traceback" not in proc.stderr, f"{python}: {proc.stderr[-2000:]}"  # the script itself failed
     if not digests:
         pytest.skip("no Python 3.12 or later here")
     assert set(digests.values()) == {encode_mod.code_digest()}, digests
