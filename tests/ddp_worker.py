@@ -14,6 +14,7 @@ rank 1 runs out of memory in step 1, and every rank redoes the step with twice t
 does.
 """
 
+import gc
 import os
 import sys
 from dataclasses import replace
@@ -161,8 +162,11 @@ def fsdp_peak(out: Path, world, ledger: bool = True) -> None:
     from src.planner import measure_step, real_step
 
     cpu, cases = torch.device("cpu"), peak_cases(ledger)
-    peaks = {name: measure_step(args, strategy, shape, cpu, world=world, **keywords)
-             for name, (args, strategy, shape, keywords) in cases.items()}
+    peaks = {}
+    for name, (args, strategy, shape, keywords) in cases.items():
+        gc.collect()  # what is alive between the steps (torch, the process group) kept out of each step's own
+        gc.freeze()  # collection (real_step's free_earlier_runs): as tests/conftest.py does between tests
+        peaks[name] = measure_step(args, strategy, shape, cpu, world=world, **keywords)
     # the ledger's split of a run's first three steps, each under a new tracker, as a run samples them
     args, _, shape, _ = cases["fsdp"]
     for name, fsdp in (("fsdp_steps", True), ("ddp_steps", False)) if ledger else ():
