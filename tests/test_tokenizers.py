@@ -428,6 +428,7 @@ def test_a_pipeline_directorys_tokenizer_is_kept_with_the_run(tmp_path):
     assert loaded.encode(["Hallo Welt"]) == src.encode(["Hallo Welt"]) and loaded.vocab_digest() == src.vocab_digest()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(multi30k_root() is None, reason="set MULTI30K_ROOT to the folder of the real Multi30k raw files")
 @pytest.mark.parametrize("lang", ["en", "fr"])
 def test_multi30k_references_come_back_from_tokens_as_they_were(lang):
