@@ -77,9 +77,9 @@ def pytest_collection_finish(session) -> None:
 
 def _spacy_ready_for_forked_children() -> None:
     """A run tokenizes with spaCy in forked child processes, one per side (src/data/encode.py: the run's own
-    process stays free of spaCy). Forked from a test worker that had not imported spaCy, each child imported it and
-    built its language's tokenizer from cold: about 1.3 s of a child's 1.5 s on the tests' corpora, 62 s of the
-    children's CPU time in one run of the suite (py-spy, 2026-12-07). Imported here once per worker, with the
+    process stays free of spaCy). Forked from a test worker that had not imported spaCy, each child imported it
+    (1.1 s) and built its language's tokenizer from cold (0.2 s; 0.07-0.15 s where the parent had built one): 62 s
+    of samples in the children in one run of the suite (py-spy, 2026-12-07). Imported here once per worker, with the
     synthetic data's tokenizers built once, spaCy is in every child the worker forks; the children still tokenize
     as a run's do."""
     import spacy
