@@ -442,6 +442,7 @@ def test_plan_settings_are_checked_before_the_data_is_read(override, message, ca
     assert not any(tmp_path.iterdir())  # no corpus read, nothing cached
 
 
+@pytest.mark.slow
 def test_plan_refuses_sentences_longer_than_training_takes(capsys, caplog):
     """plan.src_len=2000 said "fits" for sentences that training refuses by model.max_positions; cut by
     memory=truncate they are planned. A memory.budget_gb without memory=auto is said to be read by nothing else."""

@@ -246,6 +246,7 @@ def test_sigterm_writes_a_checkpoint_and_an_interrupted_summary(tmp_path, shared
     assert {"model", "optimizer", "scheduler", "scaler", "rng", "config"} <= ckpt.keys()
 
 
+@pytest.mark.slow
 def test_resume_auto_passes_over_checkpoints_that_load_but_cannot_be_resumed(fast_cfg, caplog):
     """Bytes changed on disk that still load: NaN weights (resumed, every step was skipped as non-finite, then
     decoding raised), and a checkpoint without its step (resumed "at step 0", the run removed the later checkpoints,
