@@ -412,7 +412,7 @@ def test_a_finished_fsdp_run_resumed_tests_again(ddp_and_fsdp, tmp_path, shared_
 
 @pytest.mark.slow
 def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_like_ddp(tmp_path, shared_cache):
-    """194 pairs in batches of 64: one batch of the epoch has 2 pairs, 2 micro-batches where the other rank's 64
+    """50 pairs in batches of 16: one batch of the epoch has 2 pairs, 2 micro-batches where the other rank's 16
     make 4 (in step 2: without the repeated micro-batch, this test timed out). Every micro-batch's forward and
     backward runs FSDP's collectives, so the rank with fewer waited for the other's third forever (a hang, until
     the process group's 30-minute timeout): it now repeats one with its loss multiplied by 0, and the run's losses
@@ -421,7 +421,7 @@ def test_fsdp_accumulating_over_a_batch_of_fewer_pairs_than_accum_steps_trains_l
 
     And with memory.fsdp_param_dtype=bf16 (FSDP2's MixedPrecisionPolicy): each layer computes in bf16 from bf16
     weights and a bf16 input, so the losses are close to DDP's, not equal, and the peak is lower."""
-    run = [*FAST, "data.train_size=194", "data.batch_size=64", "memory.accum_steps=4", "trainer.max_steps=2",
+    run = [*FAST, "data.train_size=50", "data.batch_size=16", "memory.accum_steps=4", "trainer.max_steps=2",
            "trainer.log_every=1", "trainer.eval_every=2", "logger=none", f"paths.cache_dir={shared_cache}"]
     fsdp = "memory=[fsdp,accum,amp,checkpoint]"
     for name, memory in (("ddp", ["memory=[accum,amp]"]), ("fsdp", [fsdp]),
