@@ -57,6 +57,7 @@ def test_a_sharded_estimates_split_sums_to_its_peak():
         assert sum(est.by_category.values()) == est.peak_bytes, (strategy.label, ranks)
 
 
+@pytest.mark.slow
 def test_a_plan_for_cuda_counts_cublas_workspaces_and_memory_auto_keeps_room_for_them(monkeypatch):
     """On an H200 (torch 2.11) every checked step's max_memory_allocated was 64-69 MiB above its tensors' peak, and a
     fresh process kept 65 MiB after its first forward and backward (experiments/planner/results_cuda.md): cuBLAS's

@@ -358,6 +358,7 @@ def test_unloadable_xlmr_name_is_one_clear_line(tmp_path):
         f"them in the cached files.){hint}")
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_is_said_at_once_not_after_a_minute_of_retries(tmp_path):
     """Online mode with no hub to answer (no network, a wrong HF_ENDPOINT): from_pretrained retried the connection
     for 49 s, printing 24 warnings, before it said so; one request without retries says it in a moment."""

@@ -129,6 +129,7 @@ def translate_test_set(cfg, tmp_path: Path, *args: str, checkpoints: tuple[str, 
     return out.read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_translate_py_decodes_as_the_run_did_unless_told_otherwise(fast_cfg, tmp_path, capsys):
     """A run that decodes with beams, its own length caps, bf16 autocast and its fp32 products' precision:
     translate.py given only its checkpoint writes the run's test translations, in batches of the run's size (under
